@@ -1,0 +1,125 @@
+"""Command line: ``rtts serve``, ``rtts model make-random``, ``rtts doctor``, ``rtts bench``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from .config import EngineConfig, ServerConfig
+from .scheduler import SchedulerConfig
+from .session import SessionLimits
+
+__all__ = ["build_parser", "config_from_args", "main"]
+
+logger = logging.getLogger("rtts.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rtts", description=__doc__)
+    p.add_argument("--log-level", default="INFO")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the WebSocket server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8765)
+    s.add_argument("--engine", choices=["chattts", "fake"], default="chattts")
+    s.add_argument("--source", choices=["auto", "custom", "huggingface"], default="auto",
+                   help="auto: --model-dir if given, else the embedded tiny random checkpoint")
+    s.add_argument("--model-dir", type=Path, default=None)
+    s.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    s.add_argument("--max-new-token", type=int, default=EngineConfig.max_new_token)
+    s.add_argument("--stream-tokens", type=int, default=EngineConfig.stream_tokens,
+                   help="GPT steps between partial decodes (first audio after this many)")
+    s.add_argument("--max-batch-size", type=int, default=SchedulerConfig.max_batch_size)
+    s.add_argument("--max-wait-ms", type=float, default=SchedulerConfig.max_wait_ms)
+    s.add_argument("--concurrency", type=int, default=SchedulerConfig.concurrency,
+                   help="batches running at once on the device")
+    s.add_argument("--max-queue", type=int, default=SchedulerConfig.max_queue)
+    s.add_argument("--request-timeout", type=float, default=SchedulerConfig.request_timeout_s)
+    s.add_argument("--max-contexts", type=int, default=SessionLimits.max_contexts)
+    s.add_argument("--max-message-bytes", type=int, default=ServerConfig.max_message_bytes)
+    s.add_argument("--shutdown-grace", type=float, default=ServerConfig.shutdown_grace_s)
+    s.add_argument("--web-dir", type=Path, default=None)
+    s.add_argument("--fake-rtf", type=float, default=0.0, help="fake engine: pace (0 = fast)")
+
+    m = sub.add_parser("model", help="model utilities")
+    msub = m.add_subparsers(dest="model_command", required=True)
+    mk = msub.add_parser("make-random", help="write a random-weight ChatTTS checkpoint")
+    mk.add_argument("--size", choices=["tiny", "full"], default="tiny")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("dir", type=Path)
+
+    d = sub.add_parser("doctor", help="check the install; --fix repairs known problems")
+    d.add_argument("--fix", action="store_true")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    base = ServerConfig()
+    return replace(
+        base,
+        host=args.host, port=args.port,
+        max_message_bytes=args.max_message_bytes,
+        shutdown_grace_s=args.shutdown_grace,
+        web_dir=args.web_dir or base.web_dir,
+        engine=EngineConfig(
+            name=args.engine, source=args.source, model_dir=args.model_dir,
+            device=args.device, threads=args.threads, max_new_token=args.max_new_token,
+            stream_tokens=args.stream_tokens, fake_rtf=args.fake_rtf,
+        ),
+        scheduler=SchedulerConfig(
+            max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
+            concurrency=args.concurrency, max_queue=args.max_queue,
+            request_timeout_s=args.request_timeout,
+        ),
+        limits=replace(base.limits, max_contexts=args.max_contexts),
+    )
+
+
+async def serve_until_signalled(config: ServerConfig) -> int:
+    from .server import run_server
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    async with run_server(config) as app:
+        if app.state == "failed":
+            logger.error("not serving: %s", app.state_reason)
+            return 1
+        logger.info("listening on ws://%s:%d%s (demo page http://%s:%d/)", config.host,
+                    config.port, config.ws_path, config.host, config.port)
+        await stop.wait()
+        logger.info("signal received: draining")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        return asyncio.run(serve_until_signalled(config_from_args(args)))
+    if args.command == "model":
+        from .engines.checkpoint import make_random_checkpoint
+
+        make_random_checkpoint(args.dir, args.size, args.seed)
+        print(f"random {args.size} checkpoint written to {args.dir}")
+        return 0
+    if args.command == "doctor":
+        from .doctor import run_doctor
+
+        return run_doctor(fix=args.fix)
+    return 2  # pragma: no cover
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

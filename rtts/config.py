@@ -1,0 +1,73 @@
+"""Server configuration: one frozen dataclass tree, filled from CLI flags or code."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .scheduler import SchedulerConfig
+from .session import SessionLimits
+
+__all__ = ["EngineConfig", "ServerConfig", "default_model_dir"]
+
+
+def default_model_dir() -> Path:
+    """Where the embedded default (tiny random-weight) checkpoint is generated."""
+    base = os.environ.get("RTTS_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rtts")
+    return Path(base) / "random-tiny"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Which engine, and where its weights come from.
+
+    ``name="chattts"`` with ``model_dir=None`` and ``source="auto"`` uses the embedded
+    default: a tiny random-weight checkpoint generated under :func:`default_model_dir`
+    on first run (it speaks noise; logged as such). ``source="huggingface"`` loads the
+    published 2Noise/ChatTTS weights through the hub cache; ``model_dir`` with
+    ``source="custom"`` loads a local copy of those weights.
+    """
+
+    name: str = "chattts"
+    source: str = "auto"  # auto | custom | huggingface
+    model_dir: Path | None = None
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int | None = None  # torch intra-op threads; None = all cores
+    max_new_token: int = 384  # GPT steps per segment (~8 s of audio)
+    stream_tokens: int = 8  # GPT steps between partial decodes (first audio after this many)
+    decode_context: int = 16  # tokens of left context when decoding a window
+    decode_lookahead: int = 4  # tokens held back until their right context exists
+    default_voice_seed: int = 2
+    compile: bool = False
+    fake_rtf: float = 0.0  # fake engine only
+    fake_first_chunk_ms: float = 0.0  # fake engine only
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8765
+    ws_path: str = "/v1/stream"
+    web_dir: Path | None = field(default_factory=lambda: _web_dir())
+    max_message_bytes: int = 256 * 1024
+    max_connections: int = 2000
+    max_protocol_errors: int = 20
+    send_queue_frames: int = 64  # per connection; beyond it the sender waits (pacing)
+    slow_client_timeout_s: float = 10.0  # waiting that long for queue space closes 4008
+    frame_ms: int = 100  # audio per binary frame, at most
+    lookahead_segments: int = 2  # segments of one context submitted ahead of playback
+    shutdown_grace_s: float = 10.0
+    ping_interval_s: float | None = 20.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    limits: SessionLimits = field(default_factory=SessionLimits)
+
+
+def _web_dir() -> Path | None:
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "web", here.parent / "web"):
+        if (candidate / "index.html").is_file():
+            return candidate
+    return None

@@ -1,0 +1,65 @@
+"""The engine interface the scheduler drives.
+
+An engine is *blocking* code: ``load``, ``warmup`` and ``generate`` run on the
+scheduler's worker thread(s), never on the event loop. ``generate`` takes a batch of
+requests whose :meth:`Engine.batch_key` is equal and yields audio as it exists.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from ..protocol import SynthParams
+
+__all__ = ["Engine", "EngineOutput", "SynthRequest"]
+
+
+@dataclass(eq=False)
+class SynthRequest:
+    """One segment to synthesize. ``cancelled`` is set from the event loop thread."""
+
+    text: str
+    params: SynthParams
+    priority: int = 1  # 0 = a stream's first segment (served first)
+    max_new_token: int | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+# (index into the batch, float32 mono samples at engine.sample_rate, or None = that row is done)
+EngineOutput = tuple[int, "npt.NDArray[np.float32] | None"]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str
+    sample_rate: int
+    device: str
+
+    def load(self) -> None:
+        """Load weights (once, at server start)."""
+
+    def warmup(self) -> None:
+        """Run one short synthesis so the first user request pays no one-time costs."""
+
+    def batch_key(self, params: SynthParams) -> Hashable:
+        """Requests with equal keys may share one ``generate`` call."""
+
+    def generate(self, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:
+        """Yield ``(row, samples)`` chunks in order per row, then ``(row, None)`` once per row.
+
+        Rows whose ``cancelled`` event is set may be skipped; the caller stops iterating
+        (closing the generator) once every row is cancelled, so generation must stop
+        at the next yield.
+        """
+
+    def close(self) -> None:
+        """Release resources."""

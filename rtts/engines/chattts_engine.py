@@ -1,0 +1,296 @@
+"""The ChatTTS engine: real ChatTTS weights layout and modules, rtts's own streaming loop.
+
+Loading goes through ``ChatTTS.Chat.load`` (hub or local directory, or a random-weight
+checkpoint from :mod:`rtts.engines.checkpoint`). Generation drives the loaded modules
+directly instead of ``Chat.infer(stream=True)``, because that API
+
+* conditions every row of a batch on one speaker, one speed and one params object
+  (and mutates that object), while a server batches *different* streams;
+* yields nothing before 72 GPT tokens and re-decodes the whole prefix at every yield,
+  so decode work grows quadratically with utterance length;
+* hides where each row ends (finished rows keep producing audio);
+* can only be interrupted for the whole ``Chat`` at once.
+
+Here each row gets its own speaker embedding and speed prompt, the GPT yields every
+``stream_tokens`` steps, and each yield decodes only the new tokens plus
+``decode_context`` tokens of left context (linear total decode work), holding back the
+last ``decode_lookahead`` tokens until their right context exists. A row is finished
+when its token count stops growing. Cancelling a request skips its decode; closing this
+generator (the scheduler does when every row is cancelled) closes the GPT generator,
+which stops at its next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import EngineConfig, default_model_dir
+from ..protocol import SynthParams
+from .base import EngineOutput, SynthRequest
+
+__all__ = ["ChatTTSEngine", "check_torchaudio"]
+
+logger = logging.getLogger("rtts.chattts")
+
+SAMPLES_PER_TOKEN = 512  # 1 GPT step = 2 mel frames x hop 256 at 24 kHz
+
+
+def check_torchaudio() -> None:
+    """Import torchaudio, turning its CUDA-only binary failure into an actionable error."""
+    try:
+        import torchaudio  # noqa: F401
+    except OSError as exc:
+        raise RuntimeError(
+            "torchaudio ships CUDA-linked extension libraries that cannot load with a CPU "
+            "build of torch. Run `rtts doctor --fix` once (it moves them aside; ChatTTS only "
+            f"needs torchaudio's pure-Python parts). Original error: {exc}"
+        ) from exc
+
+
+class ChatTTSEngine:
+    name = "chattts"
+    sample_rate = 24000
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = "cpu"
+        self.chat: Any = None
+        self.random_weights = False
+        self.model_path: str | None = None
+        self._voices: OrderedDict[str, Any] = OrderedDict()
+        self._voice_lock = threading.Lock()
+        self._default_voice: Any = None
+
+    # -- loading ---------------------------------------------------------------------
+
+    def load(self) -> None:
+        check_torchaudio()
+        import torch
+        import transformers
+        from ChatTTS import Chat
+
+        transformers.logging.set_verbosity_error()
+        warnings.filterwarnings("ignore", message=".*past_key_values.*")
+
+        from .checkpoint import apply_overrides, ensure_default_checkpoint, is_random_checkpoint
+
+        cfg = self.config
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        if cfg.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        else:
+            self.device = cfg.device
+        chat = Chat(logger=logging.getLogger("rtts.chattts.core"))
+        source = cfg.source
+        path: Path | None = cfg.model_dir
+        if source == "auto":
+            if path is None:
+                path = default_model_dir()
+                logger.warning("no model configured: using the embedded default, a tiny "
+                               "RANDOM-WEIGHT checkpoint at %s (it speaks noise)", path)
+                ensure_default_checkpoint(path)
+            source = "custom"
+        if source == "custom":
+            if path is None or not path.is_dir():
+                raise FileNotFoundError(f"model directory {path} does not exist")
+            if is_random_checkpoint(path):
+                self.random_weights = True
+                logger.warning("loading RANDOM-WEIGHT checkpoint %s: real ChatTTS code, "
+                               "noise for a voice; for tests and benchmarks only", path)
+                apply_overrides(chat, path)
+            ok = chat.load(source="custom", custom_path=str(path), device=torch.device(self.device),
+                           compile=cfg.compile)
+        elif source == "huggingface":
+            ok = chat.load(source="huggingface", device=torch.device(self.device),
+                           compile=cfg.compile)
+        else:
+            raise ValueError(f"unknown model source {source!r}")
+        if not ok:
+            raise RuntimeError(f"ChatTTS could not load the model from {path or source}: "
+                               "assets missing or sha256 check failed (see log above)")
+        self.chat = chat
+        self.model_path = str(path) if path else source
+        self._default_voice = self._voice_tensor(f"seed:{cfg.default_voice_seed}")
+
+    def warmup(self) -> None:
+        """One short generation: numba JIT, allocator and kernel warm-up."""
+        for _ in self.generate([SynthRequest("warm up, 你好。", SynthParams(),
+                                             max_new_token=2 * self.config.stream_tokens)]):
+            pass
+
+    def close(self) -> None:
+        if self.chat is not None:
+            self.chat.unload()
+            self.chat = None
+
+    # -- voices ------------------------------------------------------------------------
+
+    def _voice_tensor(self, voice: str | None) -> Any:
+        """Speaker embedding tensor for ``voice`` (``seed:N``, a ChatTTS string, or None)."""
+        import torch
+
+        if voice is None:
+            return self._default_voice
+        with self._voice_lock:
+            cached = self._voices.get(voice)
+            if cached is not None:
+                self._voices.move_to_end(voice)
+                return cached
+        speaker = self.chat.speaker
+        if voice.startswith("seed:"):
+            gen = torch.Generator().manual_seed(int(voice[5:]))
+            std, mean = speaker.std.float().cpu(), speaker.mean.float().cpu()
+            tensor = torch.randn(speaker.dim, generator=gen) * std + mean
+        else:
+            try:
+                arr = speaker._decode(voice)
+            except Exception as exc:
+                raise ValueError("voice is not a ChatTTS speaker embedding string") from exc
+            if arr.shape != (speaker.dim,):
+                raise ValueError(f"voice embedding has {arr.size} values; this model "
+                                 f"needs {speaker.dim}")
+            tensor = torch.from_numpy(arr.astype(np.float32))
+        with self._voice_lock:
+            self._voices[voice] = tensor
+            while len(self._voices) > 256:
+                self._voices.popitem(last=False)
+        return tensor
+
+    def validate(self, params: SynthParams) -> None:
+        """Raise ``ValueError`` if the params cannot be used with this model."""
+        self._voice_tensor(params.voice)
+
+    def batch_key(self, params: SynthParams) -> Hashable:
+        # Speaker and speed are per row; sampling settings are per batch in ChatTTS's GPT.
+        return (params.temperature, params.top_P, params.top_K, params.seed, params.refine)
+
+    def random_speaker(self) -> str:
+        return str(self.chat.sample_random_speaker())
+
+    # -- generation --------------------------------------------------------------------
+
+    def _max_tokens(self, request: SynthRequest) -> int:
+        if request.max_new_token is not None:
+            return request.max_new_token
+        return min(self.config.max_new_token, 48 + 10 * len(request.text))
+
+    def _texts(self, batch: Sequence[SynthRequest], params: SynthParams) -> list[str]:
+        chat = self.chat
+        texts = [chat.normalizer(r.text, True, True, None) or r.text for r in batch]
+        if not params.refine:
+            return texts
+        refined = chat._refine_text(texts, chat.device, _refine_params(chat, params))
+        ids = [i[i.less(chat.tokenizer.break_0_ids)] for i in refined.ids]
+        out = chat.tokenizer.decode(ids)
+        refined.destroy()
+        return [t or texts[k] for k, t in enumerate(out)]
+
+    def generate(self, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:
+        import torch
+        from ChatTTS.model import GPT, gen_logits
+
+        chat = self.chat
+        if chat is None:
+            raise RuntimeError("engine not loaded")
+        params = batch[0].params
+        texts = self._texts(batch, params)
+        num_vq = chat.config.gpt.num_vq
+        speakers = [self._voice_tensor(r.params.voice) for r in batch]
+        prompts: list[str] = []
+        for text, r in zip(texts, batch, strict=True):
+            prompts += chat.speaker.decorate_code_prompts(
+                [text], f"[speed_{r.params.speed}]", None, "spk")
+        input_ids, attention_mask, text_mask = chat.tokenizer.encode(
+            prompts, num_vq, device=chat.device_gpt)
+        emb = chat.embed(input_ids, text_mask)
+        for row, spk in enumerate(speakers):
+            chat.speaker.apply(emb[row:row + 1], spk, input_ids[row:row + 1],
+                               chat.tokenizer.spk_emb_ids, chat.gpt.device_gpt)
+        num_code = chat.config.gpt.num_audio_tokens - 1
+        warpers, processors = gen_logits(num_code=num_code, top_P=params.top_P,
+                                         top_K=params.top_K, repetition_penalty=1.05)
+        max_new = max(self._max_tokens(r) for r in batch)
+        gpt_stream = chat.gpt.generate(
+            emb, input_ids,
+            temperature=torch.tensor([params.temperature] * num_vq, device=chat.device),
+            eos_token=num_code, attention_mask=attention_mask, max_new_token=max_new,
+            min_new_token=0, logits_processors=(*processors, *warpers), infer_text=False,
+            return_hidden=True, stream=True, show_tqdm=False, ensure_non_empty=True,
+            stream_batch=self.config.stream_tokens, manual_seed=params.seed,
+            context=GPT.Context(),
+        )
+        del emb, text_mask
+        n = len(batch)
+        emitted = [0] * n  # tokens already turned into audio, per row
+        done = [False] * n
+        limits = [self._max_tokens(r) for r in batch]
+        last: list[Any] = []
+        try:
+            for result in gpt_stream:
+                last = list(result.hiddens)
+                lens = [int(h.size(0)) for h in last]
+                longest = max(lens) if lens else 0
+                finished = [lens[i] < longest or lens[i] >= limits[i] for i in range(n)]
+                yield from self._decode_rows(batch, last, emitted, done, finished, lens)
+                if all(done):
+                    return  # every row hit its own limit: stop the GPT early
+            # The generator's last yield is complete: everything left is final.
+            if last:
+                lens = [int(h.size(0)) for h in last]
+                yield from self._decode_rows(batch, last, emitted, done, [True] * n, lens)
+            for row in range(n):
+                if not done[row]:
+                    done[row] = True
+                    yield row, None
+        finally:
+            gpt_stream.close()
+
+    def _decode_rows(self, batch: Sequence[SynthRequest], hiddens: list[Any],
+                     emitted: list[int], done: list[bool], final: list[bool],
+                     lens: list[int]) -> Iterator[EngineOutput]:
+        cfg = self.config
+        rows, windows, spans = [], [], []
+        for row, h in enumerate(hiddens):
+            if done[row] or batch[row].cancelled.is_set():
+                continue
+            end = min(lens[row], self._max_tokens(batch[row]))
+            target = end if final[row] else end - cfg.decode_lookahead
+            if target <= emitted[row]:
+                if final[row]:
+                    done[row] = True
+                    yield row, None
+                continue
+            w0 = max(0, emitted[row] - cfg.decode_context)
+            rows.append(row)
+            windows.append(h[w0:end].clone())
+            spans.append((w0, emitted[row], target, final[row]))
+        if not rows:
+            return
+        wavs = self.chat._decode_to_wavs(windows, True)
+        for k, row in enumerate(rows):
+            w0, start, target, is_final = spans[k]
+            valid = max(0, (2 * (target - w0) - 1) * 256) if is_final else None
+            a = (start - w0) * SAMPLES_PER_TOKEN
+            b = valid if is_final else (target - w0) * SAMPLES_PER_TOKEN
+            emitted[row] = target
+            chunk = np.ascontiguousarray(wavs[k, a:b], dtype=np.float32)
+            if chunk.size:
+                yield row, chunk
+            if is_final:
+                done[row] = True
+                yield row, None
+
+
+def _refine_params(chat: Any, params: SynthParams) -> Any:
+    return chat.RefineTextParams(prompt="", top_P=params.top_P, top_K=params.top_K,
+                              temperature=params.temperature, max_new_token=384,
+                              show_tqdm=False, manual_seed=params.seed)

@@ -1,0 +1,107 @@
+"""A deterministic test double for the engine: tones instead of speech.
+
+It exists so the server, scheduler and client library can be tested and benchmarked
+without a model. Each request yields a sine tone whose pitch follows the voice and seed
+and whose length follows the text (``ms_per_char``), in ``chunk_ms`` pieces, after
+``first_chunk_latency_ms``, at ``rtf`` times real time (0 = as fast as possible).
+Text containing ``"<fail>"`` raises, and ``"<hang>"`` blocks until cancelled, so tests
+can exercise the error and timeout paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Hashable, Iterator, Sequence
+
+import numpy as np
+
+from ..protocol import SynthParams
+from .base import EngineOutput, SynthRequest
+
+__all__ = ["FakeEngine"]
+
+
+class FakeEngine:
+    name = "fake"
+    device = "cpu"
+
+    def __init__(
+        self,
+        sample_rate: int = 24000,
+        ms_per_char: float = 60.0,
+        chunk_ms: float = 100.0,
+        first_chunk_latency_ms: float = 0.0,
+        rtf: float = 0.0,
+        max_audio_s: float = 30.0,
+    ) -> None:
+        self.sample_rate = sample_rate
+        self.ms_per_char = ms_per_char
+        self.chunk_ms = chunk_ms
+        self.first_chunk_latency_ms = first_chunk_latency_ms
+        self.rtf = rtf
+        self.max_audio_s = max_audio_s
+        self.loaded = False
+        self.batches: list[int] = []  # sizes of the batches served, for tests and metrics
+
+    def load(self) -> None:
+        self.loaded = True
+
+    def warmup(self) -> None:
+        for _ in self.generate([SynthRequest("warm up", SynthParams())]):
+            pass
+        self.batches.clear()
+
+    def batch_key(self, params: SynthParams) -> Hashable:
+        return None  # everything batches together
+
+    def frequency(self, params: SynthParams) -> float:
+        key = f"{params.voice}|{params.seed}".encode()
+        return 180.0 + int.from_bytes(hashlib.sha256(key).digest()[:2], "little") % 400
+
+    def total_samples(self, text: str) -> int:
+        seconds = min(self.max_audio_s, len(text) * self.ms_per_char / 1000.0)
+        return max(1, int(seconds * self.sample_rate))
+
+    def generate(self, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:
+        self.batches.append(len(batch))
+        chunk = max(1, int(self.chunk_ms * self.sample_rate / 1000))
+        totals = [self.total_samples(r.text) for r in batch]
+        freqs = [self.frequency(r.params) for r in batch]
+        for r in batch:
+            if "<fail>" in r.text:
+                raise RuntimeError("fake engine failure requested by the text")
+        if self.first_chunk_latency_ms:
+            self._sleep(self.first_chunk_latency_ms / 1000.0, batch)
+        pos = [0] * len(batch)
+        done = [False] * len(batch)
+        while not all(done):
+            for i, r in enumerate(batch):
+                if done[i]:
+                    continue
+                if r.cancelled.is_set():
+                    done[i] = True
+                    continue
+                if "<hang>" in r.text:
+                    r.cancelled.wait(0.05)
+                    continue
+                n = min(chunk, totals[i] - pos[i])
+                t = (np.arange(pos[i], pos[i] + n) / self.sample_rate).astype(np.float32)
+                yield i, (0.3 * np.sin(2 * np.pi * freqs[i] * t)).astype(np.float32)
+                pos[i] += n
+                if pos[i] >= totals[i]:
+                    done[i] = True
+                    yield i, None
+            if self.rtf and not all(done):
+                self._sleep(self.rtf * self.chunk_ms / 1000.0, batch)
+
+    @staticmethod
+    def _sleep(seconds: float, batch: Sequence[SynthRequest]) -> None:
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if all(r.cancelled.is_set() for r in batch):
+                return
+            time.sleep(min(left, 0.01))
+
+    def close(self) -> None:
+        self.loaded = False

@@ -1,0 +1,105 @@
+"""Error codes, close codes and the exception tree.
+
+Error tree::
+
+    RttsError                      base; has .code (wire string)
+    +-- ProtocolError              the client sent something we cannot act on (error event, stays open)
+    +-- Overloaded                 no capacity now; retry later (error event; close 1013 when at connect)
+    +-- EngineError                one synthesis request failed (error event for that context)
+        +-- EngineTimeout          one request exceeded its deadline
+
+Close codes used by the server (all documented in the README):
+
+==== ======================================================================
+1000 normal closure (client asked, or idle timeout with nothing in flight)
+1001 server going away (graceful shutdown)
+1007 invalid UTF-8 in a text frame (raised by the websockets library)
+1008 policy violation: too many protocol errors on one connection
+1009 message too big (over ``max_message_bytes``; raised by websockets)
+1011 internal server error
+1013 try again later: server overloaded or not ready
+4008 client too slow: audio could not be delivered within ``slow_client_timeout``
+==== ======================================================================
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CLOSE_GOING_AWAY",
+    "CLOSE_INTERNAL_ERROR",
+    "CLOSE_INVALID_DATA",
+    "CLOSE_MESSAGE_TOO_BIG",
+    "CLOSE_NORMAL",
+    "CLOSE_POLICY_VIOLATION",
+    "CLOSE_SLOW_CLIENT",
+    "CLOSE_TRY_AGAIN_LATER",
+    "EngineError",
+    "EngineTimeout",
+    "ErrorCode",
+    "Overloaded",
+    "ProtocolError",
+    "RttsError",
+]
+
+from enum import StrEnum
+
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
+CLOSE_INVALID_DATA = 1007
+CLOSE_POLICY_VIOLATION = 1008
+CLOSE_MESSAGE_TOO_BIG = 1009
+CLOSE_INTERNAL_ERROR = 1011
+CLOSE_TRY_AGAIN_LATER = 1013
+CLOSE_SLOW_CLIENT = 4008
+
+
+class ErrorCode(StrEnum):
+    """Machine-readable ``code`` field of an ``error`` event."""
+
+    INVALID_JSON = "invalid_json"
+    INVALID_MESSAGE = "invalid_message"
+    UNKNOWN_TYPE = "unknown_type"
+    INVALID_PARAMS = "invalid_params"
+    UNKNOWN_CONTEXT = "unknown_context"
+    CONTEXT_EXISTS = "context_exists"
+    TOO_MANY_CONTEXTS = "too_many_contexts"
+    TEXT_TOO_LONG = "text_too_long"
+    BINARY_NOT_ACCEPTED = "binary_not_accepted"
+    OVERLOADED = "overloaded"
+    ENGINE_ERROR = "engine_error"
+    TIMEOUT = "timeout"
+    SHUTTING_DOWN = "shutting_down"
+
+
+class RttsError(Exception):
+    """Base class of every error rtts raises on purpose."""
+
+    code: ErrorCode = ErrorCode.INVALID_MESSAGE
+
+    def __init__(self, message: str, *, code: ErrorCode | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+
+class ProtocolError(RttsError):
+    """The client sent a message that cannot be acted on; reported, connection stays open."""
+
+
+class Overloaded(RttsError):
+    """No capacity right now (queue full, governor rejecting); the client may retry."""
+
+    code = ErrorCode.OVERLOADED
+
+
+class EngineError(RttsError):
+    """A synthesis request failed inside the engine; only that request is affected."""
+
+    code = ErrorCode.ENGINE_ERROR
+
+
+class EngineTimeout(EngineError):
+    """A synthesis request ran past its deadline and was cancelled."""
+
+    code = ErrorCode.TIMEOUT

@@ -1,0 +1,267 @@
+"""Wire protocol, version 1: pure parsing and encoding, no I/O.
+
+Client -> server messages are JSON objects in text frames, each with a ``type``:
+
+``start``   open a context: ``context_id``, ``voice``, ``seed``, ``temperature``, ``top_P``,
+            ``top_K``, ``speed``, ``refine``, ``format``, ``sample_rate``, ``chunk_schedule``,
+            ``max_chunk_chars``, ``idle_flush_ms``
+``text``    ``context_id``, ``text``: more input text (any size piece, even one character)
+``flush``   ``context_id``: synthesize what is buffered now, without waiting for punctuation
+``cancel``  ``context_id``: stop this context now; queued and in-flight audio is dropped
+``end``     ``context_id``: no more text; the server finishes the audio and sends ``done``
+
+``context_id`` may be omitted everywhere; it then defaults to ``"default"``.
+
+Server -> client: JSON events (``ready``, ``segment_started``, ``segment_done``, ``flushed``,
+``done``, ``cancelled``, ``error``) and binary audio frames: a 12-byte little-endian
+header followed by PCM16 mono samples at the context's ``sample_rate``::
+
+    u8 version (=1) | u8 flags (0) | u16 stream | u32 segment | u32 sequence | PCM16 LE ...
+
+``stream`` is the context's number on this connection (given in ``segment_started``),
+``segment`` the segment index within the context and ``sequence`` the frame index within
+the segment.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import orjson
+
+from .errors import ErrorCode, ProtocolError
+
+__all__ = [
+    "DEFAULT_CONTEXT",
+    "FRAME_HEADER",
+    "PROTOCOL_VERSION",
+    "SUPPORTED_FORMATS",
+    "SUPPORTED_SAMPLE_RATES",
+    "CancelMessage",
+    "ClientMessage",
+    "EndMessage",
+    "FlushMessage",
+    "FrameHeader",
+    "StartMessage",
+    "SynthParams",
+    "TextMessage",
+    "encode_event",
+    "pack_frame",
+    "parse_client_message",
+    "unpack_frame",
+]
+
+PROTOCOL_VERSION: Final = 1
+DEFAULT_CONTEXT: Final = "default"
+SUPPORTED_SAMPLE_RATES: Final = (8000, 16000, 22050, 24000, 44100, 48000)
+SUPPORTED_FORMATS: Final = ("pcm16",)
+FRAME_HEADER: Final = struct.Struct("<BBHII")
+
+_CONTEXT_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
+_MAX_VOICE_CHARS = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class SynthParams:
+    """Voice and sampling settings of one context; hashable so equal settings batch together.
+
+    ``voice`` is a ChatTTS speaker embedding string (``Chat.sample_random_speaker()``),
+    ``"seed:N"`` for the speaker drawn from seed N, or ``None`` for the server default.
+    """
+
+    voice: str | None = None
+    seed: int | None = None
+    temperature: float = 0.3
+    top_P: float = 0.7  # noqa: N815 - ChatTTS's own spelling
+    top_K: int = 20  # noqa: N815
+    speed: int = 5
+    refine: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StartMessage:
+    context_id: str
+    params: SynthParams
+    format: str = "pcm16"
+    sample_rate: int = 24000
+    chunk_schedule: tuple[int, ...] | None = None
+    max_chunk_chars: int | None = None
+    idle_flush_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TextMessage:
+    context_id: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class FlushMessage:
+    context_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CancelMessage:
+    context_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class EndMessage:
+    context_id: str
+
+
+ClientMessage = StartMessage | TextMessage | FlushMessage | CancelMessage | EndMessage
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    stream: int
+    segment: int
+    sequence: int
+    flags: int = 0
+    version: int = field(default=PROTOCOL_VERSION)
+
+
+def _bad(message: str, code: ErrorCode = ErrorCode.INVALID_PARAMS) -> ProtocolError:
+    return ProtocolError(message, code=code)
+
+
+def _context_id(obj: dict[str, Any]) -> str:
+    cid = obj.get("context_id", DEFAULT_CONTEXT)
+    if not isinstance(cid, str) or not _CONTEXT_ID_RE.match(cid):
+        raise _bad("context_id must be 1-64 characters of A-Z a-z 0-9 _ . : -",
+                   ErrorCode.INVALID_MESSAGE)
+    return cid
+
+
+def _number(obj: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    value = obj.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _bad(f"{key} must be a number")
+    if not lo <= value <= hi:
+        raise _bad(f"{key} must be between {lo} and {hi}")
+    return float(value)
+
+
+def _integer(obj: dict[str, Any], key: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = obj.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"{key} must be an integer")
+    if not lo <= value <= hi:
+        raise _bad(f"{key} must be between {lo} and {hi}")
+    return value
+
+
+def _parse_params(obj: dict[str, Any]) -> SynthParams:
+    voice = obj.get("voice")
+    if voice is not None:
+        if not isinstance(voice, str) or not 0 < len(voice) <= _MAX_VOICE_CHARS:
+            raise _bad(f"voice must be a non-empty string of at most {_MAX_VOICE_CHARS} chars")
+        if voice.startswith("seed:"):
+            try:
+                int(voice[5:])
+            except ValueError:
+                raise _bad("voice 'seed:N' needs an integer N") from None
+    refine = obj.get("refine", False)
+    if not isinstance(refine, bool):
+        raise _bad("refine must be true or false")
+    return SynthParams(
+        voice=voice,
+        seed=_integer(obj, "seed", None, 0, 2**31 - 1),
+        temperature=_number(obj, "temperature", 0.3, 0.01, 2.0),
+        top_P=_number(obj, "top_P", 0.7, 0.01, 1.0),
+        top_K=int(_integer(obj, "top_K", 20, 1, 100) or 20),
+        speed=int(_integer(obj, "speed", 5, 0, 9) or 0),
+        refine=refine,
+    )
+
+
+def _parse_start(obj: dict[str, Any]) -> StartMessage:
+    fmt = obj.get("format", "pcm16")
+    if fmt not in SUPPORTED_FORMATS:
+        raise _bad(f"format must be one of {list(SUPPORTED_FORMATS)}")
+    rate = obj.get("sample_rate", 24000)
+    if rate not in SUPPORTED_SAMPLE_RATES or isinstance(rate, bool):
+        raise _bad(f"sample_rate must be one of {list(SUPPORTED_SAMPLE_RATES)}")
+    schedule = obj.get("chunk_schedule")
+    if schedule is not None:
+        if (
+            not isinstance(schedule, list)
+            or not 1 <= len(schedule) <= 16
+            or not all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1000
+                       for n in schedule)
+        ):
+            raise _bad("chunk_schedule must be a list of 1-16 integers between 1 and 1000")
+        schedule = tuple(schedule)
+    return StartMessage(
+        context_id=_context_id(obj),
+        params=_parse_params(obj),
+        format=fmt,
+        sample_rate=int(rate),
+        chunk_schedule=schedule,
+        max_chunk_chars=_integer(obj, "max_chunk_chars", None, 8, 1000),
+        idle_flush_ms=_integer(obj, "idle_flush_ms", None, 0, 60_000),
+    )
+
+
+def parse_client_message(data: str | bytes, *, max_text_chars: int = 20_000) -> ClientMessage:
+    """Parse one client text frame; raise :class:`ProtocolError` with a precise code.
+
+    Args:
+        data: the frame payload (``str`` for text frames).
+        max_text_chars: the most characters one ``text`` message may carry.
+    """
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise _bad("message is not valid JSON", ErrorCode.INVALID_JSON) from None
+    if not isinstance(obj, dict):
+        raise _bad("message must be a JSON object", ErrorCode.INVALID_MESSAGE)
+    kind = obj.get("type")
+    if kind == "text":
+        text = obj.get("text")
+        if not isinstance(text, str):
+            raise _bad("text must be a string", ErrorCode.INVALID_MESSAGE)
+        if len(text) > max_text_chars:
+            raise _bad(f"one text message may carry at most {max_text_chars} characters",
+                       ErrorCode.TEXT_TOO_LONG)
+        return TextMessage(_context_id(obj), text)
+    if kind == "start":
+        return _parse_start(obj)
+    if kind == "flush":
+        return FlushMessage(_context_id(obj))
+    if kind == "cancel":
+        return CancelMessage(_context_id(obj))
+    if kind == "end":
+        return EndMessage(_context_id(obj))
+    if not isinstance(kind, str):
+        raise _bad("message needs a string 'type'", ErrorCode.INVALID_MESSAGE)
+    raise _bad(f"unknown message type {kind[:40]!r}", ErrorCode.UNKNOWN_TYPE)
+
+
+def encode_event(kind: str, **fields: Any) -> str:
+    """Encode a server event as a JSON text frame."""
+    return orjson.dumps({"type": kind, **fields}).decode()
+
+
+def pack_frame(header: FrameHeader, pcm16: bytes) -> bytes:
+    """Binary audio frame: 12-byte header + PCM16 little-endian payload."""
+    return FRAME_HEADER.pack(
+        header.version, header.flags, header.stream, header.segment, header.sequence
+    ) + pcm16
+
+
+def unpack_frame(frame: bytes) -> tuple[FrameHeader, bytes]:
+    """Inverse of :func:`pack_frame`; raises ``ValueError`` on a short or foreign frame."""
+    if len(frame) < FRAME_HEADER.size:
+        raise ValueError("frame shorter than its header")
+    version, flags, stream, segment, sequence = FRAME_HEADER.unpack_from(frame)
+    if version != PROTOCOL_VERSION:
+        raise ValueError(f"unsupported frame version {version}")
+    return FrameHeader(stream, segment, sequence, flags, version), frame[FRAME_HEADER.size:]

@@ -1,0 +1,283 @@
+"""Per-device batch scheduler: gathers segments from concurrent streams into engine batches.
+
+Requests wait in a bounded intake list. A dispatcher task takes a device slot (an
+``asyncio.Semaphore`` of ``concurrency`` permits), waits up to ``max_wait_ms`` for
+more requests (unless the batch is already full), then picks the head request -- a
+stream's first segment before anything else, then oldest first -- plus every waiting
+request with the same :meth:`Engine.batch_key`, up to ``max_batch_size``. The batch
+runs on the device's own thread pool; each output chunk is handed to the request's
+:class:`RequestStream` mailbox on the event loop thread.
+
+Mailboxes coalesce: if the consumer lags, pending chunks are concatenated, so the
+engine thread never blocks on a slow socket, and memory per request stays bounded by
+one segment's audio. Cancelling a request sets its event: a queued request is dropped,
+a running row is skipped, and once every row of a batch is cancelled the engine's
+generator is closed, which stops generation at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from .engines.base import Engine, SynthRequest
+from .errors import EngineError, EngineTimeout, ErrorCode, Overloaded
+
+__all__ = ["RequestStream", "Scheduler", "SchedulerConfig"]
+
+logger = logging.getLogger("rtts.scheduler")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_batch_size: int = 4
+    max_wait_ms: float = 15.0
+    concurrency: int = 1  # batches running at once on this device
+    max_queue: int = 256  # requests waiting (not running) before submit() raises Overloaded
+    request_timeout_s: float = 120.0  # per batch, from the moment it starts running
+
+
+class RequestStream:
+    """The consumer side of one request: ``async for samples in stream``.
+
+    Raises the request's :class:`EngineError` (or :class:`EngineTimeout`) from
+    iteration if it failed. Created by :meth:`Scheduler.submit`.
+    """
+
+    def __init__(self, request: SynthRequest) -> None:
+        self.request = request
+        self.submitted_at = time.monotonic()
+        self.first_audio_at: float | None = None
+        self._pending: deque[npt.NDArray[np.float32]] = deque()
+        self._done = False
+        self._error: Exception | None = None
+        self._wakeup = asyncio.Event()
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def cancel(self) -> None:
+        self.request.cancel()
+        self._finish(None)
+
+    def _push(self, samples: npt.NDArray[np.float32]) -> None:
+        if self._done:
+            return
+        if self.first_audio_at is None:
+            self.first_audio_at = time.monotonic()
+        self._pending.append(samples)
+        self._wakeup.set()
+
+    def _finish(self, error: Exception | None) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._error = error
+        self._wakeup.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> npt.NDArray[np.float32]:
+        while True:
+            if self._pending:
+                if len(self._pending) == 1:
+                    return self._pending.popleft()
+                merged = np.concatenate(list(self._pending))
+                self._pending.clear()
+                return merged
+            if self._done:
+                if self._error is not None:
+                    raise self._error
+                raise StopAsyncIteration
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+
+class Scheduler:
+    """One per device. ``start()``, then ``submit()`` from the event loop; ``stop()`` at exit."""
+
+    def __init__(self, engine: Engine, config: SchedulerConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or SchedulerConfig()
+        self._queue: list[RequestStream] = []
+        self._arrived = asyncio.Event()
+        self._slots = asyncio.Semaphore(self.config.concurrency)
+        self._executor = ThreadPoolExecutor(
+            max_workers=self.config.concurrency, thread_name_prefix=f"rtts-{engine.device}"
+        )
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._seq = 0
+        self.running_batches = 0
+        self.batch_sizes: Counter[int] = Counter()
+        self.completed = 0
+        self.failed = 0
+        self.cancelled = 0
+
+    # -- public API ---------------------------------------------------------------
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    async def start(self) -> None:
+        if self._dispatcher is None:
+            self._dispatcher = asyncio.create_task(self._dispatch(), name="rtts-dispatcher")
+
+    def submit(self, request: SynthRequest) -> RequestStream:
+        """Queue a request; raise :class:`Overloaded` when the intake is full."""
+        if self._dispatcher is None:
+            raise EngineError("scheduler is not running", code=ErrorCode.SHUTTING_DOWN)
+        self._queue = [s for s in self._queue if not s.request.cancelled.is_set()]
+        if len(self._queue) >= self.config.max_queue:
+            raise Overloaded(f"synthesis queue is full ({self.config.max_queue} waiting)")
+        stream = RequestStream(request)
+        self._queue.append(stream)
+        self._arrived.set()
+        return stream
+
+    async def stop(self) -> None:
+        """Cancel the dispatcher and every batch, fail what is queued, free the threads."""
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._dispatcher
+            self._dispatcher = None
+        for stream in self._queue:
+            stream.request.cancel()
+            stream._finish(EngineError("server is shutting down", code=ErrorCode.SHUTTING_DOWN))
+        self._queue.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- internals ----------------------------------------------------------------
+
+    async def _dispatch(self) -> None:
+        while True:
+            while not self._live():
+                self._arrived.clear()
+                await self._arrived.wait()
+            await self._slots.acquire()
+            try:
+                await self._gather_wait()
+                batch = self._take_batch()
+            except BaseException:
+                self._slots.release()
+                raise
+            if not batch:
+                self._slots.release()
+                continue
+            task = asyncio.create_task(self._run(batch), name="rtts-batch")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _live(self) -> list[RequestStream]:
+        self._queue = [s for s in self._queue if not s.request.cancelled.is_set()]
+        return self._queue
+
+    async def _gather_wait(self) -> None:
+        deadline = time.monotonic() + self.config.max_wait_ms / 1000.0
+        while len(self._live()) < self.config.max_batch_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._arrived.wait()
+
+    def _take_batch(self) -> list[RequestStream]:
+        live = self._live()
+        if not live:
+            return []
+        head = min(live, key=lambda s: (s.request.priority, s.submitted_at))
+        key = self.engine.batch_key(head.request.params)
+        batch = [head]
+        for s in sorted(live, key=lambda s: (s.request.priority, s.submitted_at)):
+            if len(batch) >= self.config.max_batch_size:
+                break
+            if s is not head and self.engine.batch_key(s.request.params) == key:
+                batch.append(s)
+        chosen = {id(s) for s in batch}
+        self._queue = [s for s in live if id(s) not in chosen]
+        return batch
+
+    async def _run(self, batch: list[RequestStream]) -> None:
+        loop = asyncio.get_running_loop()
+        self.running_batches += 1
+        self.batch_sizes[len(batch)] += 1
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("batch of %d: %s", len(batch), [s.request.text[:20] for s in batch])
+        future = loop.run_in_executor(self._executor, self._run_in_thread, loop, batch)
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s):
+                await asyncio.shield(future)
+        except TimeoutError:
+            logger.warning("batch of %d timed out after %.1fs", len(batch),
+                           self.config.request_timeout_s)
+            for s in batch:
+                s.request.cancel()
+                s._finish(EngineTimeout(
+                    f"synthesis exceeded {self.config.request_timeout_s:g}s"))
+            self.failed += len(batch)
+            # Keep the slot until the engine really lets go of the device.
+            with contextlib.suppress(Exception):
+                await future
+        except asyncio.CancelledError:
+            for s in batch:
+                s.request.cancel()
+                s._finish(EngineError("server is shutting down", code=ErrorCode.SHUTTING_DOWN))
+            raise
+        except Exception as exc:  # the engine raised: fail this batch only
+            logger.exception("engine failed on a batch of %d", len(batch))
+            for s in batch:
+                s._finish(EngineError(f"synthesis failed: {type(exc).__name__}: {exc}"))
+            self.failed += len(batch)
+        finally:
+            self.running_batches -= 1
+            self._slots.release()
+            self._arrived.set()
+
+    def _run_in_thread(self, loop: asyncio.AbstractEventLoop, batch: list[RequestStream]) -> None:
+        requests: Sequence[SynthRequest] = [s.request for s in batch]
+        gen: Iterator[tuple[int, npt.NDArray[np.float32] | None]] = self.engine.generate(requests)
+        finished = [False] * len(batch)
+        try:
+            for row, samples in gen:
+                if all(r.cancelled.is_set() for r in requests):
+                    break
+                if requests[row].cancelled.is_set() or finished[row]:
+                    continue
+                if samples is None:
+                    finished[row] = True
+                    self._post(loop, batch[row]._finish, None)
+                    self.completed += 1
+                elif samples.size:
+                    self._post(loop, batch[row]._push, samples)
+        finally:
+            gen.close()
+        for row, stream in enumerate(batch):
+            if requests[row].cancelled.is_set():
+                self.cancelled += 1
+            elif not finished[row]:
+                # The engine ended without closing this row: treat what it gave as complete.
+                self._post(loop, stream._finish, None)
+                self.completed += 1
+
+    @staticmethod
+    def _post(loop: asyncio.AbstractEventLoop, fn: object, arg: object) -> None:
+        with contextlib.suppress(RuntimeError):  # loop closed during shutdown
+            loop.call_soon_threadsafe(fn, arg)  # type: ignore[arg-type]

@@ -1,0 +1,171 @@
+"""Incremental text segmenter: streamed text in, speakable chunks out. Pure, no I/O.
+
+Rules, in order of preference, once the buffer holds at least the current *minimum*
+(``schedule[i]`` characters for the i-th chunk, the last entry repeating):
+
+1. cut after the last sentence end (``。！？!?；;…`` and newlines, or ``.`` followed by
+   whitespace), keeping closing quotes/brackets with the sentence;
+2. if the buffer exceeds ``max_chars``, cut after the last clause mark
+   (``，、：,:`` etc. or ``.`` then whitespace) or at the last whitespace within it;
+3. otherwise hard-cut at ``max_chars`` (CJK text without punctuation).
+
+A small first minimum gives fast first audio; larger later minimums give longer, more
+natural chunks (the idea of ElevenLabs' ``chunk_length_schedule``). An English ``.``
+at the very end of the buffer is not a boundary yet (``3.`` may become ``3.14``); it is
+at :meth:`Segmenter.flush`. Chunks with nothing to say (punctuation, spaces) are
+dropped; their characters still count in the offsets of later chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_SCHEDULE", "Chunk", "Segmenter", "is_speakable"]
+
+DEFAULT_SCHEDULE: tuple[int, ...] = (8, 40, 80, 120)
+DEFAULT_MAX_CHARS = 200
+
+_SENTENCE_END = frozenset("。！？!?；;…\n")
+_CLAUSE = frozenset("，、：,:—－")
+_CLOSERS = frozenset("\"'”’」』）)]】》")
+
+
+def is_speakable(text: str) -> bool:
+    """True when ``text`` has at least one letter, digit or CJK character."""
+    return any(ch.isalnum() for ch in text)
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A chunk of text and its ``[start, end)`` character offsets in the context's input."""
+
+    text: str
+    start: int
+    end: int
+
+
+class Segmenter:
+    """Stateful chunker for one context. ``push`` text pieces, ``flush`` at the end."""
+
+    def __init__(
+        self, schedule: tuple[int, ...] = DEFAULT_SCHEDULE, max_chars: int = DEFAULT_MAX_CHARS
+    ) -> None:
+        if not schedule or any(n < 1 for n in schedule):
+            raise ValueError("schedule must be non-empty positive lengths")
+        if max_chars < 8:
+            raise ValueError("max_chars must be at least 8")
+        self.schedule = tuple(min(n, max_chars) for n in schedule)
+        self.max_chars = max_chars
+        self._buf = ""
+        self._buf_start = 0  # offset of _buf[0] in the whole input
+        self._emitted = 0
+
+    @property
+    def buffered(self) -> str:
+        return self._buf
+
+    @property
+    def total_chars(self) -> int:
+        return self._buf_start + len(self._buf)
+
+    def _minimum(self) -> int:
+        return self.schedule[min(self._emitted, len(self.schedule) - 1)]
+
+    def push(self, text: str) -> list[Chunk]:
+        """Add text; return the chunks that are ready."""
+        self._buf += text
+        out: list[Chunk] = []
+        while True:
+            cut = self._find_cut(final=False)
+            if cut is None:
+                return out
+            chunk = self._take(cut)
+            if chunk is not None:
+                out.append(chunk)
+
+    def flush(self) -> list[Chunk]:
+        """Emit everything buffered (on ``flush``/``end`` or an idle timeout)."""
+        out: list[Chunk] = []
+        while self._buf:
+            cut = self._find_cut(final=True)
+            if cut is None:
+                cut = len(self._buf)
+            chunk = self._take(cut)
+            if chunk is not None:
+                out.append(chunk)
+        return out
+
+    def _take(self, cut: int) -> Chunk | None:
+        raw = self._buf[:cut]
+        start = self._buf_start
+        self._buf = self._buf[cut:]
+        self._buf_start += cut
+        stripped = raw.strip()
+        if not is_speakable(stripped):
+            return None  # punctuation or spaces only: no sound, offsets still counted
+        lead = len(raw) - len(raw.lstrip())
+        self._emitted += 1
+        return Chunk(stripped, start + lead, start + lead + len(stripped))
+
+    def _find_cut(self, *, final: bool) -> int | None:
+        buf = self._buf
+        n = len(buf)
+        if n == 0:
+            return None
+        minimum = self._minimum()
+        limit = min(n, self.max_chars)
+        # 1. last sentence end within the allowed window, at or past the minimum
+        best = None
+        i = 0
+        while i < limit:
+            end = self._boundary_after(buf, i, final=final, sentence=True)
+            if end is not None:
+                if end >= minimum or (final and end == n):
+                    best = end
+                i = end if end > i else i + 1
+            else:
+                i += 1
+        if best is not None and best <= self.max_chars:
+            return best
+        if n <= self.max_chars:
+            return None if not final else self._final_cut(buf)
+        # 2. too long: last clause mark, then last whitespace, within max_chars
+        for pos in range(self.max_chars, 0, -1):
+            end = self._boundary_after(buf, pos - 1, final=final, sentence=False)
+            if end is not None and end <= self.max_chars:
+                return end
+        for pos in range(self.max_chars, max(self.max_chars // 2, 1), -1):
+            if buf[pos - 1].isspace():
+                return pos
+        # 3. hard cut
+        return self.max_chars
+
+    def _final_cut(self, buf: str) -> int:
+        # At a flush, still prefer sentence ends so a long buffer splits naturally.
+        for pos in range(min(len(buf), self.max_chars), 0, -1):
+            end = self._boundary_after(buf, pos - 1, final=True, sentence=True)
+            if end is not None and end >= self._minimum():
+                return end
+        return len(buf)
+
+    @staticmethod
+    def _boundary_after(buf: str, i: int, *, final: bool, sentence: bool) -> int | None:
+        """If ``buf[i]`` ends a sentence (or clause), return the cut index after it."""
+        ch = buf[i]
+        n = len(buf)
+        marks = _SENTENCE_END if sentence else (_SENTENCE_END | _CLAUSE)
+        if ch in marks:
+            if ch in ",:" and i + 1 < n and buf[i + 1].isdigit():
+                return None  # 1,000 or 10:30
+        elif ch == ".":
+            if i + 1 >= n:
+                if not final:
+                    return None  # may be a decimal point or an abbreviation still arriving
+            elif not (buf[i + 1].isspace() or buf[i + 1] in _CLOSERS):
+                return None
+        else:
+            return None
+        j = i + 1
+        while j < n and (buf[j] in _CLOSERS or (buf[j] in marks and buf[j] != "\n")):
+            j += 1
+        return j

@@ -1,0 +1,487 @@
+"""The asyncio WebSocket server: thin I/O around :mod:`rtts.session` and the scheduler.
+
+One :class:`Connection` per client runs three kinds of owned tasks: the reader (this
+handler), one writer draining a bounded send queue, one idle-flush timer, and one
+pipeline task per open context. Every task is cancelled when the connection ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+import urllib.parse
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from . import __version__
+from .audio import StreamingResampler, float_to_pcm16, wav_bytes
+from .config import ServerConfig
+from .engines import build_engine
+from .engines.base import Engine, SynthRequest
+from .errors import (
+    CLOSE_GOING_AWAY,
+    CLOSE_POLICY_VIOLATION,
+    CLOSE_SLOW_CLIENT,
+    ErrorCode,
+    ProtocolError,
+    RttsError,
+)
+from .http import respond, static_file
+from .protocol import FrameHeader, pack_frame, parse_client_message
+from .scheduler import RequestStream, Scheduler
+from .segmenter import Segmenter
+from .session import (
+    Action,
+    CancelContext,
+    ContextState,
+    SendEvent,
+    Session,
+    StartContext,
+    Synthesize,
+)
+
+__all__ = ["App", "Connection", "run_server"]
+
+logger = logging.getLogger("rtts.server")
+
+
+@dataclass
+class Stats:
+    connections_total: int = 0
+    contexts_total: int = 0
+    segments_total: int = 0
+    segment_errors: int = 0
+    cancels: int = 0
+    protocol_errors: int = 0
+    frames_sent: int = 0
+    audio_seconds_sent: float = 0.0
+    ttfa_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+
+
+class App:
+    """Owns the engine, the scheduler and the server state (loading/ready/draining)."""
+
+    def __init__(self, config: ServerConfig, engine: Engine | None = None) -> None:
+        self.config = config
+        self.engine: Engine = engine or build_engine(config.engine)
+        self.scheduler = Scheduler(self.engine, config.scheduler)
+        self.state = "loading"
+        self.state_reason = "model loading"
+        self.connections: set[Connection] = set()
+        self.stats = Stats()
+        self.started_at = time.monotonic()
+        self.server: Server | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Load and warm up the engine off the event loop; /readyz turns 200 after this."""
+        t0 = time.monotonic()
+        try:
+            await asyncio.to_thread(self.engine.load)
+            self.state_reason = "warming up"
+            await asyncio.to_thread(self.engine.warmup)
+        except Exception as exc:
+            self.state = "failed"
+            self.state_reason = f"model load failed: {type(exc).__name__}: {exc}"
+            logger.exception("engine %s failed to load", self.engine.name)
+            raise
+        await self.scheduler.start()
+        self.state, self.state_reason = "ready", "ready"
+        logger.info("engine %s ready on %s in %.1fs", self.engine.name, self.engine.device,
+                    time.monotonic() - t0)
+
+    def busy_connections(self) -> int:
+        return sum(1 for c in self.connections if c.session.contexts)
+
+    async def drain_and_close(self) -> None:
+        """Graceful shutdown: stop accepting, let contexts finish until the grace deadline,
+        then close remaining connections with 1001 and stop the engine."""
+        self.state, self.state_reason = "draining", "shutting down"
+        logger.info("draining %d connections (grace %.1fs)", len(self.connections),
+                    self.config.shutdown_grace_s)
+        if self.server is not None:
+            self.server.close(close_connections=False)
+        deadline = time.monotonic() + self.config.shutdown_grace_s
+        while self.busy_connections() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            await conn.close(CLOSE_GOING_AWAY, "server shutting down")
+        if self.server is not None:
+            await self.server.wait_closed()
+        await self.scheduler.stop()
+        await asyncio.to_thread(self.engine.close)
+        logger.info("shutdown complete")
+
+    # -- HTTP --------------------------------------------------------------------------
+
+    async def process_request(self, connection: ServerConnection,
+                              request: Request) -> Response | None:
+        path = request.path.split("?", 1)[0]
+        if path == self.config.ws_path:
+            if request.headers.get("Upgrade", "").lower() != "websocket":
+                return respond(400, "this path speaks WebSocket\n")
+            if self.state != "ready":
+                return respond(503, f"not ready: {self.state_reason}\n",
+                               extra=[("Retry-After", "1")])
+            if len(self.connections) >= self.config.max_connections:
+                return respond(503, "too many connections\n", extra=[("Retry-After", "1")])
+            return None
+        if path == "/healthz":
+            return respond(200, "ok\n")
+        if path == "/readyz":
+            ok = self.state == "ready"
+            return respond(200 if ok else 503, f"{self.state_reason}\n")
+        if path == "/metrics":
+            from .metrics import render_metrics
+
+            return respond(200, render_metrics(self), "text/plain; version=0.0.4")
+        if path == "/v1/info":
+            return respond(200, orjson.dumps(self.info()), "application/json")
+        if path == "/v1/tts":
+            return await self._tts(request)
+        resp = static_file(self.config.web_dir, path)
+        return resp or respond(404, "not found\n")
+
+    def info(self) -> dict[str, Any]:
+        return {"server": "rtts", "version": __version__, "engine": self.engine.name,
+                "device": self.engine.device, "engine_sample_rate": self.engine.sample_rate,
+                "state": self.state, "ws_path": self.config.ws_path}
+
+    async def _tts(self, request: Request) -> Response:
+        """``GET /v1/tts?text=...&voice=...&seed=...&sample_rate=...`` -> a whole WAV file."""
+        if self.state != "ready":
+            return respond(503, f"not ready: {self.state_reason}\n")
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(request.path).query)
+        text = (query.get("text") or [""])[0]
+        if not text.strip() or len(text) > 5000:
+            return respond(400, "text must be 1-5000 characters\n")
+        start: dict[str, Any] = {"type": "start"}
+        for key, value in query.items():
+            if key in ("voice",):
+                start[key] = value[0]
+            elif key in ("seed", "top_K", "speed", "sample_rate"):
+                with contextlib.suppress(ValueError):
+                    start[key] = int(value[0])
+            elif key in ("temperature", "top_P"):
+                with contextlib.suppress(ValueError):
+                    start[key] = float(value[0])
+        try:
+            msg = parse_client_message(orjson.dumps(start))
+        except ProtocolError as exc:
+            return respond(400, f"{exc.message}\n")
+        assert hasattr(msg, "params") and hasattr(msg, "sample_rate")
+        seg = Segmenter(max_chars=self.config.limits.default_max_chunk_chars)
+        chunks = seg.push(text) + seg.flush()
+        parts: list[np.ndarray] = []
+        try:
+            for i, chunk in enumerate(chunks):
+                stream = self.scheduler.submit(SynthRequest(chunk.text, msg.params, priority=i))
+                resampler = StreamingResampler(self.engine.sample_rate, msg.sample_rate)
+                async for samples in stream:
+                    parts.append(resampler.process(samples))
+                parts.append(resampler.flush())
+        except RttsError as exc:
+            return respond(503 if exc.code == ErrorCode.OVERLOADED else 500, f"{exc.message}\n")
+        audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        return respond(200, wav_bytes(audio, msg.sample_rate), "audio/wav")
+
+    # -- WebSocket -----------------------------------------------------------------------
+
+    async def handle(self, ws: ServerConnection) -> None:
+        conn = Connection(self, ws)
+        self.connections.add(conn)
+        self.stats.connections_total += 1
+        try:
+            await conn.run()
+        finally:
+            self.connections.discard(conn)
+
+
+_CLOSE = object()
+
+
+class Connection:
+    """One client: reader loop, bounded writer queue, timer, one pipeline task per context."""
+
+    def __init__(self, app: App, ws: ServerConnection) -> None:
+        self.app = app
+        self.ws = ws
+        self.cfg = app.config
+        self.session = Session(app.config.limits, session_id=secrets.token_hex(8))
+        self.out: asyncio.Queue[tuple[int, str | bytes]] = asyncio.Queue(
+            maxsize=app.config.send_queue_frames)
+        self.pipelines: dict[str, ContextPipeline] = {}
+        self.dead_streams: set[int] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._timer_wakeup = asyncio.Event()
+        self._closing = False
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def run(self) -> None:
+        self._spawn(self._writer(), "rtts-writer")
+        self._spawn(self._timer(), "rtts-idle-flush")
+        try:
+            await self.send(0, self.session.hello(
+                engine=self.app.engine.name, sample_rate=self.app.engine.sample_rate,
+                degraded=False).event)
+            await self._reader()
+        except ConnectionClosed:
+            pass
+        finally:
+            for pipeline in self.pipelines.values():
+                pipeline.cancel()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def close(self, code: int, reason: str) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        with contextlib.suppress(Exception):
+            await self.ws.close(code, reason)
+
+    # -- outbound ------------------------------------------------------------------
+
+    async def send(self, stream: int, item: dict[str, Any] | bytes) -> None:
+        """Queue an event or frame; wait for space (pacing); close 4008 if it never comes."""
+        payload = orjson.dumps(item).decode() if isinstance(item, dict) else item
+        try:
+            async with asyncio.timeout(self.cfg.slow_client_timeout_s):
+                await self.out.put((stream, payload))
+        except TimeoutError:
+            logger.warning("session %s: client too slow, closing", self.session.session_id)
+            self._spawn(self.close(CLOSE_SLOW_CLIENT, "client too slow to receive audio"),
+                        "rtts-close")
+            raise ConnectionClosed(None, None) from None
+
+    async def _writer(self) -> None:
+        while True:
+            stream, payload = await self.out.get()
+            if stream and stream in self.dead_streams and isinstance(payload, bytes):
+                continue  # late frame of a cancelled context
+            await self.ws.send(payload)
+            if isinstance(payload, bytes):
+                self.app.stats.frames_sent += 1
+
+    # -- inbound -------------------------------------------------------------------
+
+    async def _reader(self) -> None:
+        async for message in self.ws:
+            if isinstance(message, bytes):
+                await self._protocol_error(ProtocolError(
+                    "binary messages are not accepted; send JSON text",
+                    code=ErrorCode.BINARY_NOT_ACCEPTED))
+                continue
+            try:
+                msg = parse_client_message(
+                    message, max_text_chars=self.cfg.limits.max_text_chars_per_message)
+                actions = self.session.receive(msg)
+            except ProtocolError as exc:
+                await self._protocol_error(exc, _peek_context(message))
+                continue
+            await self._apply(actions)
+            self._timer_wakeup.set()
+
+    async def _protocol_error(self, exc: ProtocolError, context_id: str | None = None) -> None:
+        self.session.protocol_errors += 1
+        self.app.stats.protocol_errors += 1
+        await self.send(0, self.session.error(exc, context_id).event)
+        if self.session.protocol_errors >= self.cfg.max_protocol_errors:
+            await self.close(CLOSE_POLICY_VIOLATION, "too many protocol errors")
+
+    async def _apply(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, SendEvent):
+                await self.send(0, action.event)
+            elif isinstance(action, StartContext):
+                self.app.stats.contexts_total += 1
+                cid = action.context.context_id
+                pipeline = ContextPipeline(self, action.context)
+                self.pipelines[cid] = pipeline
+                pipeline.task = self._spawn(pipeline.run(), f"rtts-context-{cid}")
+                pipeline.task.add_done_callback(
+                    lambda _t, cid=cid, p=pipeline: self._forget(cid, p))
+            elif isinstance(action, Synthesize):
+                pipeline = self.pipelines.get(action.context_id)
+                if pipeline is not None:
+                    pipeline.add(action)
+            elif isinstance(action, CancelContext):
+                self.app.stats.cancels += 1
+                self.dead_streams.add(action.stream)
+                pipeline = self.pipelines.pop(action.context_id, None)
+                if pipeline is not None:
+                    pipeline.cancel()
+        for cid, pipeline in self.pipelines.items():
+            if cid not in self.session.contexts:
+                pipeline.wakeup.set()  # finished: let its task see that and return
+
+    def _forget(self, cid: str, pipeline: ContextPipeline) -> None:
+        if self.pipelines.get(cid) is pipeline:
+            del self.pipelines[cid]
+
+    async def _timer(self) -> None:
+        while True:
+            deadline = self.session.next_deadline()
+            self._timer_wakeup.clear()
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._timer_wakeup.wait()
+                    continue
+            await self._apply(self.session.poll())
+
+
+class ContextPipeline:
+    """Submits a context's segments ahead of playback and sends their audio in order."""
+
+    def __init__(self, conn: Connection, ctx: ContextState) -> None:
+        self.conn = conn
+        self.ctx = ctx
+        self.app = conn.app
+        self.pending: deque[Synthesize] = deque()
+        self.inflight: deque[tuple[Synthesize, RequestStream | RttsError]] = deque()
+        self.wakeup = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+        self.first_audio_sent = False
+
+    def add(self, job: Synthesize) -> None:
+        self.pending.append(job)
+        self.wakeup.set()
+
+    def cancel(self) -> None:
+        for _, stream in self.inflight:
+            if isinstance(stream, RequestStream):
+                stream.cancel()
+        self.inflight.clear()
+        self.pending.clear()
+        if self.task is not None:
+            self.task.cancel()
+
+    def _submit_ahead(self) -> None:
+        while self.pending and len(self.inflight) < self.conn.cfg.lookahead_segments:
+            job = self.pending.popleft()
+            request = SynthRequest(job.chunk.text, self.ctx.params,
+                                   priority=0 if job.index == 0 else 1)
+            try:
+                self.inflight.append((job, self.app.scheduler.submit(request)))
+            except RttsError as exc:
+                self.inflight.append((job, exc))
+
+    async def run(self) -> None:
+        try:
+            while True:
+                self._submit_ahead()
+                if not self.inflight:
+                    if self.ctx.context_id not in self.conn.session.contexts:
+                        return  # done or cancelled
+                    self.wakeup.clear()
+                    await self.wakeup.wait()
+                    continue
+                job, stream = self.inflight[0]
+                await self._play(job, stream)
+                self.inflight.popleft()
+        finally:
+            for _, stream in self.inflight:
+                if isinstance(stream, RequestStream):
+                    stream.cancel()
+
+    async def _play(self, job: Synthesize, stream: RequestStream | RttsError) -> None:
+        conn, ctx, stats = self.conn, self.ctx, self.app.stats
+        stats.segments_total += 1
+        if isinstance(stream, RttsError):
+            stats.segment_errors += 1
+            await conn._apply(conn.session.segment_failed(ctx.context_id, job.index, stream))
+            return
+        started = conn.session.segment_started(ctx.context_id, job.index, job.chunk)
+        if started is not None:
+            await conn.send(0, started.event)
+        resampler = StreamingResampler(self.app.engine.sample_rate, ctx.sample_rate)
+        frame_len = max(1, ctx.sample_rate * conn.cfg.frame_ms // 1000)
+        seq = 0
+        total = 0
+
+        async def emit(samples: np.ndarray) -> None:
+            nonlocal seq, total
+            for i in range(0, len(samples), frame_len):
+                piece = samples[i:i + frame_len]
+                header = FrameHeader(ctx.stream, job.index, seq)
+                await conn.send(ctx.stream, pack_frame(header, float_to_pcm16(piece)))
+                seq += 1
+                total += len(piece)
+                if not self.first_audio_sent:
+                    self.first_audio_sent = True
+                    stats.ttfa_s.append(time.monotonic() - stream.submitted_at)
+
+        try:
+            async for samples in stream:
+                self._submit_ahead()
+                await emit(resampler.process(samples))
+            await emit(resampler.flush())
+        except RttsError as exc:
+            stats.segment_errors += 1
+            await conn._apply(conn.session.segment_failed(ctx.context_id, job.index, exc))
+            return
+        stats.audio_seconds_sent += total / ctx.sample_rate
+        await conn._apply(conn.session.segment_done(ctx.context_id, job.index, job.chunk,
+                                                    total, seq))
+
+
+def _peek_context(message: str) -> str | None:
+    try:
+        obj = orjson.loads(message)
+    except orjson.JSONDecodeError:
+        return None
+    cid = obj.get("context_id") if isinstance(obj, dict) else None
+    return cid if isinstance(cid, str) and len(cid) <= 64 else None
+
+
+@contextlib.asynccontextmanager
+async def run_server(config: ServerConfig, engine: Engine | None = None,
+                     load: bool = True) -> AsyncIterator[App]:
+    """Start listening at once (``/healthz`` up, ``/readyz`` 503), load the engine, yield.
+
+    On exit the server drains gracefully (see :meth:`App.drain_and_close`).
+    """
+    app = App(config, engine)
+    app.server = await serve(
+        app.handle, config.host, config.port,
+        process_request=app.process_request,
+        max_size=config.max_message_bytes,
+        max_queue=16,
+        write_limit=256 * 1024,
+        ping_interval=config.ping_interval_s,
+        server_header=f"rtts/{__version__}",
+    )
+    try:
+        if load:
+            await app.load()
+        yield app
+    finally:
+        if app.state != "stopped":
+            await app.drain_and_close()
+            app.state = "stopped"
+
+
+def bound_port(app: App) -> int:
+    assert app.server is not None
+    sock = next(iter(app.server.sockets))
+    return int(sock.getsockname()[1])
+

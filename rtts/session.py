@@ -1,0 +1,274 @@
+"""Per-connection protocol state machine, sans I/O.
+
+The server feeds it parsed client messages and audio progress; it answers with
+actions for the I/O layer to carry out. It owns each context's segmenter, numbering
+and offsets, and enforces the per-connection limits. Nothing here awaits or sends.
+
+Context lifecycle::
+
+    start -> OPEN --text/flush--> OPEN --end--> ENDING --last segment done--> (done, removed)
+               \\--cancel--> (cancelled, removed)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ErrorCode, ProtocolError
+from .protocol import (
+    PROTOCOL_VERSION,
+    CancelMessage,
+    ClientMessage,
+    EndMessage,
+    FlushMessage,
+    StartMessage,
+    SynthParams,
+    TextMessage,
+)
+from .segmenter import DEFAULT_MAX_CHARS, DEFAULT_SCHEDULE, Chunk, Segmenter
+
+__all__ = [
+    "CancelContext",
+    "ContextState",
+    "SendEvent",
+    "Session",
+    "SessionLimits",
+    "StartContext",
+    "Synthesize",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionLimits:
+    max_contexts: int = 8
+    max_text_chars_per_message: int = 20_000
+    max_text_chars_per_context: int = 100_000
+    default_idle_flush_ms: int = 1500
+    default_schedule: tuple[int, ...] = DEFAULT_SCHEDULE
+    default_max_chunk_chars: int = DEFAULT_MAX_CHARS
+
+
+# -- actions -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SendEvent:
+    """Send this JSON event to the client."""
+
+    event: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class StartContext:
+    """A context was opened: the I/O layer starts its audio pipeline."""
+
+    context: ContextState
+
+
+@dataclass(frozen=True, slots=True)
+class Synthesize:
+    """Synthesize segment ``index`` of a context; audio must be sent in index order."""
+
+    context_id: str
+    index: int
+    chunk: Chunk
+
+
+@dataclass(frozen=True, slots=True)
+class CancelContext:
+    """Stop the context's pipeline now and drop its undelivered audio."""
+
+    context_id: str
+    stream: int
+
+
+Action = SendEvent | StartContext | Synthesize | CancelContext
+
+
+@dataclass
+class ContextState:
+    context_id: str
+    stream: int
+    params: SynthParams
+    sample_rate: int
+    segmenter: Segmenter
+    idle_flush_ms: int
+    segments_queued: int = 0
+    segments_done: int = 0
+    audio_samples: int = 0  # at sample_rate, of finished segments
+    ended: bool = False
+    last_text_at: float = 0.0
+    flush_marks: list[int] = field(default_factory=list)  # segment counts awaited by flushes
+
+    @property
+    def audio_ms(self) -> float:
+        return 1000.0 * self.audio_samples / self.sample_rate
+
+
+class Session:
+    """State of one WebSocket connection."""
+
+    def __init__(self, limits: SessionLimits | None = None, session_id: str = "") -> None:
+        self.limits = limits or SessionLimits()
+        self.session_id = session_id
+        self.contexts: dict[str, ContextState] = {}
+        self._next_stream = 1
+        self.protocol_errors = 0
+
+    def hello(self, **info: Any) -> SendEvent:
+        return SendEvent({"type": "ready", "protocol": PROTOCOL_VERSION,
+                          "session_id": self.session_id, **info})
+
+    def error(self, exc: ProtocolError | Exception, context_id: str | None = None,
+              **extra: Any) -> SendEvent:
+        code = getattr(exc, "code", ErrorCode.INVALID_MESSAGE)
+        message = getattr(exc, "message", str(exc))
+        event: dict[str, Any] = {"type": "error", "code": str(code), "message": message}
+        if context_id is not None:
+            event["context_id"] = context_id
+        event.update(extra)
+        return SendEvent(event)
+
+    # -- client messages -----------------------------------------------------------
+
+    def receive(self, msg: ClientMessage, now: float | None = None) -> list[Action]:
+        """Apply one parsed client message. Raises :class:`ProtocolError` for misuse."""
+        now = time.monotonic() if now is None else now
+        if isinstance(msg, StartMessage):
+            return self._start(msg, now)
+        ctx = self.contexts.get(msg.context_id)
+        if ctx is None:
+            raise ProtocolError(
+                f"context {msg.context_id!r} is not open; send 'start' first",
+                code=ErrorCode.UNKNOWN_CONTEXT,
+            )
+        if isinstance(msg, CancelMessage):
+            del self.contexts[ctx.context_id]
+            return [CancelContext(ctx.context_id, ctx.stream),
+                    SendEvent({"type": "cancelled", "context_id": ctx.context_id})]
+        if ctx.ended:
+            raise ProtocolError(f"context {ctx.context_id!r} has ended; no more input",
+                                code=ErrorCode.INVALID_MESSAGE)
+        if isinstance(msg, TextMessage):
+            total = ctx.segmenter.total_chars + len(msg.text)
+            if total > self.limits.max_text_chars_per_context:
+                raise ProtocolError(
+                    f"context text limit is {self.limits.max_text_chars_per_context} characters",
+                    code=ErrorCode.TEXT_TOO_LONG,
+                )
+            ctx.last_text_at = now
+            return self._queue(ctx, ctx.segmenter.push(msg.text))
+        if isinstance(msg, FlushMessage):
+            actions = self._queue(ctx, ctx.segmenter.flush())
+            ctx.flush_marks.append(ctx.segments_queued)
+            return actions + self._check_marks(ctx)
+        if isinstance(msg, EndMessage):
+            actions = self._queue(ctx, ctx.segmenter.flush())
+            ctx.ended = True
+            return actions + self._check_marks(ctx)
+        raise ProtocolError("unsupported message", code=ErrorCode.UNKNOWN_TYPE)  # pragma: no cover
+
+    def _start(self, msg: StartMessage, now: float) -> list[Action]:
+        if msg.context_id in self.contexts:
+            raise ProtocolError(f"context {msg.context_id!r} is already open",
+                                code=ErrorCode.CONTEXT_EXISTS)
+        if len(self.contexts) >= self.limits.max_contexts:
+            raise ProtocolError(
+                f"at most {self.limits.max_contexts} open contexts per connection",
+                code=ErrorCode.TOO_MANY_CONTEXTS,
+            )
+        max_chars = msg.max_chunk_chars or self.limits.default_max_chunk_chars
+        ctx = ContextState(
+            context_id=msg.context_id,
+            stream=self._next_stream,
+            params=msg.params,
+            sample_rate=msg.sample_rate,
+            segmenter=Segmenter(msg.chunk_schedule or self.limits.default_schedule, max_chars),
+            idle_flush_ms=(self.limits.default_idle_flush_ms if msg.idle_flush_ms is None
+                           else msg.idle_flush_ms),
+            last_text_at=now,
+        )
+        self._next_stream = self._next_stream % 65535 + 1
+        self.contexts[ctx.context_id] = ctx
+        return [StartContext(ctx)]
+
+    def _queue(self, ctx: ContextState, chunks: list[Chunk]) -> list[Action]:
+        actions: list[Action] = []
+        for chunk in chunks:
+            actions.append(Synthesize(ctx.context_id, ctx.segments_queued, chunk))
+            ctx.segments_queued += 1
+        return actions
+
+    # -- timers --------------------------------------------------------------------
+
+    def poll(self, now: float | None = None) -> list[Action]:
+        """Flush contexts whose buffered text has waited ``idle_flush_ms`` with no new text."""
+        now = time.monotonic() if now is None else now
+        actions: list[Action] = []
+        for ctx in self.contexts.values():
+            if (not ctx.ended and ctx.idle_flush_ms > 0 and ctx.segmenter.buffered.strip()
+                    and (now - ctx.last_text_at) * 1000.0 >= ctx.idle_flush_ms):
+                actions += self._queue(ctx, ctx.segmenter.flush())
+        return actions
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`poll` next has work, in ``time.monotonic()`` seconds; None if never."""
+        times = [ctx.last_text_at + ctx.idle_flush_ms / 1000.0
+                 for ctx in self.contexts.values()
+                 if not ctx.ended and ctx.idle_flush_ms > 0 and ctx.segmenter.buffered.strip()]
+        return min(times) if times else None
+
+    # -- audio progress --------------------------------------------------------------
+
+    def segment_started(self, context_id: str, index: int, chunk: Chunk) -> SendEvent | None:
+        ctx = self.contexts.get(context_id)
+        if ctx is None:
+            return None
+        return SendEvent({
+            "type": "segment_started", "context_id": context_id, "stream": ctx.stream,
+            "segment": index, "text": chunk.text, "text_start": chunk.start,
+            "text_end": chunk.end, "audio_start_ms": round(ctx.audio_ms, 3),
+            "sample_rate": ctx.sample_rate,
+        })
+
+    def segment_done(self, context_id: str, index: int, chunk: Chunk, samples: int,
+                     frames: int) -> list[Action]:
+        """Record a finished segment; may also complete flushes and the context."""
+        ctx = self.contexts.get(context_id)
+        if ctx is None:
+            return []
+        start_ms = ctx.audio_ms
+        ctx.audio_samples += samples
+        ctx.segments_done += 1
+        actions: list[Action] = [SendEvent({
+            "type": "segment_done", "context_id": context_id, "stream": ctx.stream,
+            "segment": index, "text": chunk.text, "text_start": chunk.start,
+            "text_end": chunk.end, "audio_start_ms": round(start_ms, 3),
+            "duration_ms": round(1000.0 * samples / ctx.sample_rate, 3),
+            "samples": samples, "frames": frames,
+        })]
+        return actions + self._check_marks(ctx)
+
+    def segment_failed(self, context_id: str, index: int, exc: Exception) -> list[Action]:
+        """A segment produced an error instead of audio; the context goes on."""
+        ctx = self.contexts.get(context_id)
+        if ctx is None:
+            return []
+        ctx.segments_done += 1
+        return [self.error(exc, context_id, segment=index), *self._check_marks(ctx)]
+
+    def _check_marks(self, ctx: ContextState) -> list[Action]:
+        actions: list[Action] = []
+        while ctx.flush_marks and ctx.flush_marks[0] <= ctx.segments_done:
+            ctx.flush_marks.pop(0)
+            actions.append(SendEvent({"type": "flushed", "context_id": ctx.context_id,
+                                      "segments": ctx.segments_done}))
+        if ctx.ended and ctx.segments_done >= ctx.segments_queued:
+            del self.contexts[ctx.context_id]
+            actions.append(SendEvent({
+                "type": "done", "context_id": ctx.context_id, "segments": ctx.segments_done,
+                "audio_ms": round(ctx.audio_ms, 3),
+            }))
+        return actions

@@ -19,7 +19,7 @@ def default_model_dir() -> Path:
     return Path(base) / "random-tiny"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class EngineConfig:
     """Which engine, and where its weights come from.
 
@@ -45,7 +45,7 @@ class EngineConfig:
     fake_first_chunk_ms: float = 0.0  # fake engine only
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8765

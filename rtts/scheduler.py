@@ -37,7 +37,7 @@ __all__ = ["RequestStream", "Scheduler", "SchedulerConfig"]
 logger = logging.getLogger("rtts.scheduler")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_batch_size: int = 4
     max_wait_ms: float = 15.0

@@ -3,11 +3,11 @@
 Rules, in order of preference, once the buffer holds at least the current *minimum*
 (``schedule[i]`` characters for the i-th chunk, the last entry repeating):
 
-1. cut after the last sentence end (``。！？!?；;…`` and newlines, or ``.`` followed by
-   whitespace), keeping closing quotes/brackets with the sentence;
-2. if the buffer exceeds ``max_chars``, cut after the last clause mark
-   (``，、：,:`` etc. or ``.`` then whitespace) or at the last whitespace within it;
-3. otherwise hard-cut at ``max_chars`` (CJK text without punctuation).
+1. cut after the first sentence end past the minimum (``。！？!?；;…`` and newlines,
+   or ``.`` followed by whitespace), keeping closing quotes/brackets with the sentence;
+2. else cut after the first clause mark past the minimum (``，、：,:`` and dashes);
+3. if the buffer exceeds ``max_chars`` with neither, cut at its last whitespace, or
+   hard-cut at ``max_chars`` (CJK text without punctuation).
 
 A small first minimum gives fast first audio; larger later minimums give longer, more
 natural chunks (the idea of ElevenLabs' ``chunk_length_schedule``). An English ``.``
@@ -113,23 +113,18 @@ class Segmenter:
         if n == 0:
             return None
         minimum = self._minimum()
+        if n < minimum and not final:
+            return None
         limit = min(n, self.max_chars)
-        # 1. last sentence end within the allowed window, at or past the minimum
-        best = None
-        i = 0
-        while i < limit:
-            end = self._boundary_after(buf, i, final=final, sentence=True)
-            if end is not None:
-                if end >= minimum or (final and end == n):
-                    best = end
-                i = end if end > i else i + 1
-            else:
-                i += 1
-        if best is not None and best <= self.max_chars:
-            return best
+        # 1. first sentence end (else clause end) at or past the minimum, within max_chars
+        for sentence in (True, False):
+            for i in range(min(minimum, limit) - 1, limit):
+                end = self._boundary_after(buf, i, final=final, sentence=sentence)
+                if end is not None and end <= self.max_chars:
+                    return end
         if n <= self.max_chars:
-            return None if not final else self._final_cut(buf)
-        # 2. too long: last clause mark, then last whitespace, within max_chars
+            return n if final else None
+        # 2. too long: any clause mark (even before the minimum), then the last whitespace
         for pos in range(self.max_chars, 0, -1):
             end = self._boundary_after(buf, pos - 1, final=final, sentence=False)
             if end is not None and end <= self.max_chars:
@@ -140,14 +135,6 @@ class Segmenter:
         # 3. hard cut
         return self.max_chars
 
-    def _final_cut(self, buf: str) -> int:
-        # At a flush, still prefer sentence ends so a long buffer splits naturally.
-        for pos in range(min(len(buf), self.max_chars), 0, -1):
-            end = self._boundary_after(buf, pos - 1, final=True, sentence=True)
-            if end is not None and end >= self._minimum():
-                return end
-        return len(buf)
-
     @staticmethod
     def _boundary_after(buf: str, i: int, *, final: bool, sentence: bool) -> int | None:
         """If ``buf[i]`` ends a sentence (or clause), return the cut index after it."""
@@ -155,8 +142,9 @@ class Segmenter:
         n = len(buf)
         marks = _SENTENCE_END if sentence else (_SENTENCE_END | _CLAUSE)
         if ch in marks:
-            if ch in ",:" and i + 1 < n and buf[i + 1].isdigit():
-                return None  # 1,000 or 10:30
+            if ch in ",:" and i > 0 and buf[i - 1].isdigit() and (
+                    (i + 1 < n and buf[i + 1].isdigit()) or (i + 1 >= n and not final)):
+                return None  # 1,000 or 10:30, perhaps still arriving
         elif ch == ".":
             if i + 1 >= n:
                 if not final:

@@ -472,7 +472,8 @@ async def run_server(config: ServerConfig, engine: Engine | None = None,
     )
     try:
         if load:
-            await app.load()
+            with contextlib.suppress(Exception):  # logged; /readyz reports the reason
+                await app.load()
         yield app
     finally:
         if app.state != "stopped":

@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class SessionLimits:
     max_contexts: int = 8
     max_text_chars_per_message: int = 20_000

@@ -1,0 +1,91 @@
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rtts.segmenter import Segmenter, is_speakable
+
+
+def feed(seg: Segmenter, pieces):
+    out = []
+    for p in pieces:
+        out += seg.push(p)
+    return out
+
+
+def test_first_chunk_is_short_then_longer():
+    seg = Segmenter(schedule=(8, 40), max_chars=200)
+    chunks = feed(seg, ["Hello there, ", "how are you ", "doing today? ", "I am fine. " * 5])
+    assert chunks[0].text == "Hello there,"  # first chunk cut at a clause once >= 8 chars
+    assert all(len(c.text) >= 40 for c in chunks[1:])
+
+
+def test_nothing_before_minimum_and_flush_emits_rest():
+    seg = Segmenter(schedule=(20,))
+    assert seg.push("Hi. Yo.") == []
+    assert [c.text for c in seg.flush()] == ["Hi. Yo."]
+    assert seg.flush() == []
+
+
+def test_chinese_punctuation_is_a_boundary():
+    seg = Segmenter(schedule=(4,))
+    chunks = feed(seg, list("你好，世界！今天天气很好。"))
+    # "你好，" is under the 4-char minimum, so the first cut is at the first "！" past it
+    assert [c.text for c in chunks] == ["你好，世界！", "今天天气很好。"]
+
+
+def test_decimal_point_and_thousands_are_not_boundaries():
+    seg = Segmenter(schedule=(4,))
+    chunks = feed(seg, ["Pi is 3.", "14 and ", "we have 1,", "000 apples. Next"])
+    assert [c.text for c in chunks] == ["Pi is 3.14 and we have 1,000 apples."]
+    assert [c.text for c in seg.flush()] == ["Next"]
+
+
+def test_period_at_end_waits_for_next_char():
+    seg = Segmenter(schedule=(4,))
+    assert seg.push("It is done.") == []
+    assert [c.text for c in seg.push(" More")] == ["It is done."]
+
+
+def test_closing_quotes_stay_with_sentence():
+    seg = Segmenter(schedule=(4,))
+    chunks = feed(seg, ['He said "stop!" and left. ', "「好的。」然后"])
+    assert [c.text for c in chunks] == ['He said "stop!"', "and left.", "「好的。」"]
+
+
+def test_hard_cut_without_punctuation():
+    seg = Segmenter(schedule=(8,), max_chars=20)
+    chunks = seg.push("一" * 45)
+    assert [len(c.text) for c in chunks] == [20, 20]
+    assert [len(c.text) for c in seg.flush()] == [5]
+
+
+def test_long_english_without_punctuation_cuts_at_whitespace():
+    seg = Segmenter(schedule=(8,), max_chars=30)
+    chunks = seg.push("word " * 20)
+    assert chunks and all(len(c.text) <= 30 and not c.text.endswith("wor") for c in chunks)
+
+
+def test_punctuation_only_is_dropped_but_offsets_count():
+    seg = Segmenter(schedule=(1,))
+    chunks = feed(seg, ["... ", "!!! ", "Hi. ", "there."]) + seg.flush()
+    assert [c.text for c in chunks] == ["Hi.", "there."]
+    assert chunks[0].start == 8
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(alphabet=st.sampled_from(list("ab 你好,.!?。，\n3")), max_size=15),
+                max_size=25),
+       st.lists(st.integers(1, 60), min_size=1, max_size=4), st.integers(8, 80))
+def test_chunks_cover_all_speakable_text_in_order(pieces, schedule, max_chars):
+    seg = Segmenter(schedule=tuple(schedule), max_chars=max_chars)
+    chunks = feed(seg, pieces) + seg.flush()
+    full = "".join(pieces)
+    pos = 0
+    for c in chunks:
+        assert 0 < len(c.text) <= max_chars
+        assert full[c.start:c.end] == c.text  # offsets point at the text
+        assert c.start >= pos
+        pos = c.end
+        assert is_speakable(c.text)
+    # every speakable character ends up in exactly one chunk
+    covered = "".join(c.text for c in chunks)
+    assert [ch for ch in full if ch.isalnum()] == [ch for ch in covered if ch.isalnum()]

@@ -1,0 +1,127 @@
+import pytest
+
+from rtts.errors import ErrorCode, ProtocolError
+from rtts.protocol import (
+    CancelMessage,
+    EndMessage,
+    FlushMessage,
+    StartMessage,
+    SynthParams,
+    TextMessage,
+)
+from rtts.session import (
+    CancelContext,
+    SendEvent,
+    Session,
+    SessionLimits,
+    StartContext,
+    Synthesize,
+)
+
+
+def start(cid="a", **kw):
+    return StartMessage(cid, SynthParams(), chunk_schedule=(4,), **kw)
+
+
+def events(actions, kind):
+    return [a.event for a in actions if isinstance(a, SendEvent) and a.event["type"] == kind]
+
+
+def test_text_before_start_is_an_error():
+    s = Session()
+    with pytest.raises(ProtocolError) as info:
+        s.receive(TextMessage("a", "hi"))
+    assert info.value.code == ErrorCode.UNKNOWN_CONTEXT
+
+
+def test_full_lifecycle_with_flush_and_done():
+    s = Session()
+    acts = s.receive(start(), now=0.0)
+    assert isinstance(acts[0], StartContext)
+    acts = s.receive(TextMessage("a", "Hello world. More"), now=0.1)
+    syn = [a for a in acts if isinstance(a, Synthesize)]
+    assert [a.chunk.text for a in syn] == ["Hello world."] and syn[0].index == 0
+    acts = s.receive(FlushMessage("a"), now=0.2)
+    syn = [a for a in acts if isinstance(a, Synthesize)]
+    assert [(a.index, a.chunk.text) for a in syn] == [(1, "More")]
+    assert not events(acts, "flushed")  # waits for the audio
+    started = s.segment_started("a", 0, syn[0].chunk)
+    assert started is not None and started.event["stream"] == 1
+    s.segment_done("a", 0, syn[0].chunk, samples=24000, frames=10)
+    acts = s.segment_done("a", 1, syn[0].chunk, samples=12000, frames=5)
+    assert events(acts, "flushed")
+    acts = s.receive(EndMessage("a"))
+    done = events(acts, "done")
+    assert done and done[0]["segments"] == 2 and done[0]["audio_ms"] == 1500.0
+    assert "a" not in s.contexts
+
+
+def test_segment_done_carries_alignment_offsets():
+    s = Session()
+    s.receive(start(sample_rate=16000))
+    syn = [a for a in s.receive(TextMessage("a", "One two. Three four. ")) if
+           isinstance(a, Synthesize)]
+    e0 = events(s.segment_done("a", 0, syn[0].chunk, 16000, 10), "segment_done")[0]
+    e1 = events(s.segment_done("a", 1, syn[1].chunk, 8000, 5), "segment_done")[0]
+    assert (e0["audio_start_ms"], e0["duration_ms"]) == (0.0, 1000.0)
+    assert (e1["audio_start_ms"], e1["duration_ms"]) == (1000.0, 500.0)
+    assert (e1["text_start"], e1["text_end"]) == (9, 20)
+
+
+def test_cancel_removes_context_and_reports():
+    s = Session()
+    s.receive(start("a"))
+    s.receive(start("b"))
+    acts = s.receive(CancelMessage("a"))
+    assert isinstance(acts[0], CancelContext) and acts[0].stream == 1
+    assert events(acts, "cancelled")[0]["context_id"] == "a"
+    assert set(s.contexts) == {"b"}
+    with pytest.raises(ProtocolError):
+        s.receive(TextMessage("a", "late"))
+
+
+def test_limits():
+    s = Session(SessionLimits(max_contexts=1, max_text_chars_per_context=10))
+    s.receive(start("a"))
+    with pytest.raises(ProtocolError) as info:
+        s.receive(start("b"))
+    assert info.value.code == ErrorCode.TOO_MANY_CONTEXTS
+    with pytest.raises(ProtocolError) as info:
+        s.receive(start("a"))
+    assert info.value.code == ErrorCode.CONTEXT_EXISTS
+    s.receive(TextMessage("a", "x" * 10))
+    with pytest.raises(ProtocolError) as info:
+        s.receive(TextMessage("a", "y"))
+    assert info.value.code == ErrorCode.TEXT_TOO_LONG
+
+
+def test_no_text_after_end():
+    s = Session()
+    s.receive(start())
+    s.receive(TextMessage("a", "Hello"))
+    s.receive(EndMessage("a"))  # one segment pending, context still open
+    with pytest.raises(ProtocolError):
+        s.receive(TextMessage("a", "more"))
+
+
+def test_idle_flush_timer():
+    s = Session()
+    s.receive(StartMessage("a", SynthParams(), chunk_schedule=(50,), idle_flush_ms=500), now=0)
+    s.receive(TextMessage("a", "Waiting for more"), now=1.0)
+    assert s.next_deadline() == pytest.approx(1.5)
+    assert s.poll(now=1.4) == []
+    acts = s.poll(now=1.5)
+    assert [a.chunk.text for a in acts if isinstance(a, Synthesize)] == ["Waiting for more"]
+    assert s.next_deadline() is None
+
+
+def test_failed_segment_still_completes_context():
+    s = Session()
+    s.receive(start())
+    syn = [a for a in s.receive(TextMessage("a", "Hello")) + s.receive(EndMessage("a"))
+           if isinstance(a, Synthesize)]
+    assert len(syn) == 1
+    acts = s.segment_failed("a", 0, RuntimeError("boom"))
+    err = events(acts, "error")[0]
+    assert err["segment"] == 0 and err["context_id"] == "a"
+    assert events(acts, "done")

@@ -59,6 +59,7 @@ class ServerConfig:
     frame_ms: int = 100  # audio per binary frame, at most
     lookahead_segments: int = 2  # segments of one context submitted ahead of playback
     shutdown_grace_s: float = 10.0
+    close_timeout_s: float = 2.0  # wait this long for the client's close frame, then drop
     ping_interval_s: float | None = 20.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -8,6 +8,9 @@ request with the same :meth:`Engine.batch_key`, up to ``max_batch_size``. The ba
 runs on the device's own thread pool; each output chunk is handed to the request's
 :class:`RequestStream` mailbox on the event loop thread.
 
+If the engine raises, rows that already produced audio fail with :class:`EngineError`;
+the others are retried one by one, so a single bad request fails alone.
+
 Mailboxes coalesce: if the consumer lags, pending chunks are concatenated, so the
 engine thread never blocks on a slow socket, and memory per request stays bounded by
 one segment's audio. Cancelling a request sets its event: a queued request is dropped,
@@ -57,6 +60,7 @@ class RequestStream:
         self.request = request
         self.submitted_at = time.monotonic()
         self.first_audio_at: float | None = None
+        self.solo = False  # retry alone: its batch failed before it produced audio
         self._pending: deque[npt.NDArray[np.float32]] = deque()
         self._done = False
         self._error: Exception | None = None
@@ -203,13 +207,14 @@ class Scheduler:
         live = self._live()
         if not live:
             return []
-        head = min(live, key=lambda s: (s.request.priority, s.submitted_at))
+        order = sorted(live, key=lambda s: (not s.solo, s.request.priority, s.submitted_at))
+        head = order[0]
         key = self.engine.batch_key(head.request.params)
         batch = [head]
-        for s in sorted(live, key=lambda s: (s.request.priority, s.submitted_at)):
-            if len(batch) >= self.config.max_batch_size:
+        for s in order[1:]:
+            if head.solo or len(batch) >= self.config.max_batch_size:
                 break
-            if s is not head and self.engine.batch_key(s.request.params) == key:
+            if not s.solo and self.engine.batch_key(s.request.params) == key:
                 batch.append(s)
         chosen = {id(s) for s in batch}
         self._queue = [s for s in live if id(s) not in chosen]
@@ -241,11 +246,20 @@ class Scheduler:
                 s.request.cancel()
                 s._finish(EngineError("server is shutting down", code=ErrorCode.SHUTTING_DOWN))
             raise
-        except Exception as exc:  # the engine raised: fail this batch only
+        except Exception as exc:  # the engine raised: fail only the requests it concerns
             logger.exception("engine failed on a batch of %d", len(batch))
+            error = EngineError(f"synthesis failed: {type(exc).__name__}: {exc}")
             for s in batch:
-                s._finish(EngineError(f"synthesis failed: {type(exc).__name__}: {exc}"))
-            self.failed += len(batch)
+                if s.finished or s.request.cancelled.is_set():
+                    continue
+                if len(batch) > 1 and s.first_audio_at is None:
+                    # Which row broke the batch is unknown: rows with no audio yet are
+                    # retried alone, so one bad request cannot fail its neighbours.
+                    s.solo = True
+                    self._queue.append(s)
+                else:
+                    s._finish(error)
+                    self.failed += 1
         finally:
             self.running_batches -= 1
             self._slots.release()

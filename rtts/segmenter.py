@@ -6,6 +6,7 @@ Rules, in order of preference, once the buffer holds at least the current *minim
 1. cut after the first sentence end past the minimum (``。！？!?；;…`` and newlines,
    or ``.`` followed by whitespace), keeping closing quotes/brackets with the sentence;
 2. else cut after the first clause mark past the minimum (``，、：,:`` and dashes);
+   for the first chunk of a context, whichever of 1 and 2 comes first;
 3. if the buffer exceeds ``max_chars`` with neither, cut at its last whitespace, or
    hard-cut at ``max_chars`` (CJK text without punctuation).
 
@@ -116,8 +117,9 @@ class Segmenter:
         if n < minimum and not final:
             return None
         limit = min(n, self.max_chars)
-        # 1. first sentence end (else clause end) at or past the minimum, within max_chars
-        for sentence in (True, False):
+        # 1. first sentence end (else clause end) at or past the minimum, within max_chars;
+        #    for the very first chunk any of the two, whichever comes first (first audio fast)
+        for sentence in ((False,) if self._emitted == 0 else (True, False)):
             for i in range(min(minimum, limit) - 1, limit):
                 end = self._boundary_after(buf, i, final=final, sentence=sentence)
                 if end is not None and end <= self.max_chars:

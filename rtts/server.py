@@ -209,7 +209,12 @@ class App:
             self.connections.discard(conn)
 
 
-_CLOSE = object()
+@dataclass(frozen=True)
+class _Close:
+    """Writer-queue marker: close the connection once what is queued before it is sent."""
+
+    code: int
+    reason: str
 
 
 class Connection:
@@ -220,13 +225,15 @@ class Connection:
         self.ws = ws
         self.cfg = app.config
         self.session = Session(app.config.limits, session_id=secrets.token_hex(8))
-        self.out: asyncio.Queue[tuple[int, str | bytes]] = asyncio.Queue(
+        self.out: asyncio.Queue[tuple[int, str | bytes | _Close]] = asyncio.Queue(
             maxsize=app.config.send_queue_frames)
         self.pipelines: dict[str, ContextPipeline] = {}
         self.dead_streams: set[int] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._timer_wakeup = asyncio.Event()
         self._closing = False
+        self._close_task: asyncio.Task[None] | None = None
+        self._writer_task: asyncio.Task[None] | None = None
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.create_task(coro, name=name)
@@ -235,7 +242,7 @@ class Connection:
         return task
 
     async def run(self) -> None:
-        self._spawn(self._writer(), "rtts-writer")
+        self._writer_task = self._spawn(self._writer(), "rtts-writer")
         self._spawn(self._timer(), "rtts-idle-flush")
         try:
             await self.send(0, self.session.hello(
@@ -247,6 +254,9 @@ class Connection:
         finally:
             for pipeline in self.pipelines.values():
                 pipeline.cancel()
+            if self._close_task is not None:
+                # Let our own close (behind queued events, or 4008) reach the client.
+                await asyncio.wait({self._close_task}, timeout=self.cfg.close_timeout_s + 1)
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -255,8 +265,17 @@ class Connection:
         if self._closing:
             return
         self._closing = True
-        with contextlib.suppress(Exception):
-            await self.ws.close(code, reason)
+        try:
+            # websockets' close() waits for its buffered writes to drain, unbounded when
+            # the client stopped reading; so bound it here and drop the TCP connection.
+            async with asyncio.timeout(self.cfg.close_timeout_s):
+                await self.ws.close(code, reason)
+        except TimeoutError:
+            logger.info("session %s: close handshake timed out; aborting",
+                        self.session.session_id)
+            self.ws.transport.abort()
+        except ConnectionClosed:
+            pass
 
     # -- outbound ------------------------------------------------------------------
 
@@ -267,14 +286,24 @@ class Connection:
             async with asyncio.timeout(self.cfg.slow_client_timeout_s):
                 await self.out.put((stream, payload))
         except TimeoutError:
-            logger.warning("session %s: client too slow, closing", self.session.session_id)
-            self._spawn(self.close(CLOSE_SLOW_CLIENT, "client too slow to receive audio"),
-                        "rtts-close")
+            if self._close_task is None:
+                logger.warning("session %s: client too slow, closing",
+                               self.session.session_id)
+                self._close_task = self._spawn(
+                    self.close(CLOSE_SLOW_CLIENT, "client too slow to receive audio"),
+                    "rtts-close")
             raise ConnectionClosed(None, None) from None
 
     async def _writer(self) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await self._write_loop()
+
+    async def _write_loop(self) -> None:
         while True:
             stream, payload = await self.out.get()
+            if isinstance(payload, _Close):
+                await self.close(payload.code, payload.reason)
+                return
             if stream and stream in self.dead_streams and isinstance(payload, bytes):
                 continue  # late frame of a cancelled context
             await self.ws.send(payload)
@@ -305,7 +334,10 @@ class Connection:
         self.app.stats.protocol_errors += 1
         await self.send(0, self.session.error(exc, context_id).event)
         if self.session.protocol_errors >= self.cfg.max_protocol_errors:
-            await self.close(CLOSE_POLICY_VIOLATION, "too many protocol errors")
+            # Close behind the queued events, so the client sees why.
+            await self.out.put((0, _Close(CLOSE_POLICY_VIOLATION, "too many protocol errors")))
+            self._close_task = self._writer_task
+            raise ConnectionClosed(None, None)
 
     async def _apply(self, actions: list[Action]) -> None:
         for action in actions:
@@ -318,7 +350,7 @@ class Connection:
                 self.pipelines[cid] = pipeline
                 pipeline.task = self._spawn(pipeline.run(), f"rtts-context-{cid}")
                 pipeline.task.add_done_callback(
-                    lambda _t, cid=cid, p=pipeline: self._forget(cid, p))
+                    lambda t, cid=cid, p=pipeline: self._forget(cid, p, t))
             elif isinstance(action, Synthesize):
                 pipeline = self.pipelines.get(action.context_id)
                 if pipeline is not None:
@@ -333,9 +365,12 @@ class Connection:
             if cid not in self.session.contexts:
                 pipeline.wakeup.set()  # finished: let its task see that and return
 
-    def _forget(self, cid: str, pipeline: ContextPipeline) -> None:
+    def _forget(self, cid: str, pipeline: ContextPipeline, task: asyncio.Task[None]) -> None:
         if self.pipelines.get(cid) is pipeline:
             del self.pipelines[cid]
+        if not task.cancelled() and (exc := task.exception()) is not None and not isinstance(
+                exc, ConnectionClosed):
+            logger.error("context %s pipeline failed", cid, exc_info=exc)
 
     async def _timer(self) -> None:
         while True:
@@ -468,6 +503,7 @@ async def run_server(config: ServerConfig, engine: Engine | None = None,
         max_queue=16,
         write_limit=256 * 1024,
         ping_interval=config.ping_interval_s,
+        close_timeout=config.close_timeout_s,
         server_header=f"rtts/{__version__}",
     )
     try:

@@ -1,0 +1,136 @@
+"""Scheduler logic with the fake engine (a documented test double; no model needed)."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from rtts.engines.base import SynthRequest
+from rtts.engines.fake import FakeEngine
+from rtts.errors import EngineError, EngineTimeout, Overloaded
+from rtts.protocol import SynthParams
+from rtts.scheduler import Scheduler, SchedulerConfig
+
+
+async def collect(stream):
+    return np.concatenate([c async for c in stream] or [np.zeros(0, np.float32)])
+
+
+async def started(engine, **cfg):
+    sched = Scheduler(engine, SchedulerConfig(**cfg))
+    await sched.start()
+    return sched
+
+
+async def test_concurrent_requests_share_a_batch():
+    engine = FakeEngine(ms_per_char=10)
+    sched = await started(engine, max_batch_size=4, max_wait_ms=50)
+    streams = [sched.submit(SynthRequest(f"text number {i}", SynthParams())) for i in range(4)]
+    audio = await asyncio.gather(*(collect(s) for s in streams))
+    assert engine.batches == [4]
+    assert [len(a) for a in audio] == [engine.total_samples(f"text number {i}")
+                                       for i in range(4)]
+    await sched.stop()
+
+
+async def test_batch_size_limit_and_first_segments_first():
+    engine = FakeEngine(ms_per_char=5)
+    sched = await started(engine, max_batch_size=2, max_wait_ms=30)
+    later = [sched.submit(SynthRequest(f"later {i}", SynthParams(), priority=1))
+             for i in range(3)]
+    first = sched.submit(SynthRequest("first", SynthParams(), priority=0))
+    order = []
+
+    async def run(name, s):
+        await collect(s)
+        order.append(name)
+
+    await asyncio.gather(run("first", first), *(run(f"l{i}", s) for i, s in enumerate(later)))
+    assert engine.batches == [2, 2]
+    assert order.index("first") < order.index("l2")  # priority 0 rode in the first batch
+    await sched.stop()
+
+
+async def test_incompatible_params_do_not_batch():
+    class KeyedFake(FakeEngine):
+        def batch_key(self, params):
+            return params.temperature
+
+    engine = KeyedFake(ms_per_char=5)
+    sched = await started(engine, max_batch_size=4, max_wait_ms=30)
+    a = sched.submit(SynthRequest("aaa", SynthParams(temperature=0.3)))
+    b = sched.submit(SynthRequest("bbb", SynthParams(temperature=0.9)))
+    await asyncio.gather(collect(a), collect(b))
+    assert sorted(engine.batches) == [1, 1]
+    await sched.stop()
+
+
+async def test_cancel_one_row_leaves_the_other():
+    engine = FakeEngine(ms_per_char=50, rtf=1.0)  # 100 ms chunks at real time
+    sched = await started(engine, max_batch_size=2, max_wait_ms=30)
+    a = sched.submit(SynthRequest("a" * 40, SynthParams()))  # 2 s
+    b = sched.submit(SynthRequest("b" * 10, SynthParams()))  # 0.5 s
+    first = await a.__anext__()
+    assert first.size
+    a.cancel()
+    audio_b = await collect(b)
+    assert len(audio_b) == engine.total_samples("b" * 10)
+    assert await collect(a) is not None  # ends without error
+    await sched.stop()
+
+
+async def test_cancelling_every_row_stops_generation():
+    engine = FakeEngine(ms_per_char=100, rtf=1.0)
+    sched = await started(engine, max_batch_size=1)
+    s = sched.submit(SynthRequest("x" * 100, SynthParams()))  # 10 s of audio
+    await s.__anext__()
+    s.cancel()
+    await asyncio.sleep(0.3)
+    assert sched.running_batches == 0  # the thread let go well before 10 s
+    assert sched.cancelled == 1
+    await sched.stop()
+
+
+async def test_engine_exception_fails_only_its_batch():
+    engine = FakeEngine(ms_per_char=5)
+    sched = await started(engine, max_batch_size=1)
+    bad = sched.submit(SynthRequest("please <fail>", SynthParams()))
+    good = sched.submit(SynthRequest("fine", SynthParams()))
+    with pytest.raises(EngineError, match="failed"):
+        await collect(bad)
+    assert len(await collect(good)) == engine.total_samples("fine")
+    await sched.stop()
+
+
+async def test_hang_hits_the_timeout_and_frees_the_slot():
+    engine = FakeEngine(ms_per_char=5)
+    sched = await started(engine, max_batch_size=1, request_timeout_s=0.3)
+    hung = sched.submit(SynthRequest("<hang>", SynthParams()))
+    with pytest.raises(EngineTimeout):
+        await collect(hung)
+    after = sched.submit(SynthRequest("next", SynthParams()))
+    assert len(await asyncio.wait_for(collect(after), 5)) > 0
+    await sched.stop()
+
+
+async def test_full_queue_rejects():
+    engine = FakeEngine(ms_per_char=100, rtf=1.0)
+    sched = await started(engine, max_batch_size=1, max_queue=2)
+    running = sched.submit(SynthRequest("x" * 50, SynthParams()))
+    await running.__anext__()  # now running, not queued
+    sched.submit(SynthRequest("q1", SynthParams()))
+    sched.submit(SynthRequest("q2", SynthParams()))
+    with pytest.raises(Overloaded):
+        sched.submit(SynthRequest("q3", SynthParams()))
+    await sched.stop()
+
+
+async def test_stop_fails_queued_requests():
+    engine = FakeEngine(ms_per_char=100, rtf=1.0)
+    sched = await started(engine, max_batch_size=1)
+    running = sched.submit(SynthRequest("x" * 50, SynthParams()))
+    queued = sched.submit(SynthRequest("y", SynthParams()))
+    await running.__anext__()
+    await sched.stop()
+    with pytest.raises(EngineError):
+        await collect(queued)

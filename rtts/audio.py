@@ -100,4 +100,5 @@ class StreamingResampler:
             self._hist = merged[-self.half:]
             self._buf = self._buf[drop:]
             self._consumed += drop
-        return out.astype(np.float32)
+        result: FloatArray = out.astype(np.float32)
+        return result

@@ -68,7 +68,7 @@ class ServerConfig:
 
 def _web_dir() -> Path | None:
     here = Path(__file__).resolve().parent
-    for candidate in (here / "web", here.parent / "web"):
+    for candidate in (here / "web", here.parent / "web", Path.cwd() / "web"):
         if (candidate / "index.html").is_file():
             return candidate
     return None

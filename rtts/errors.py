@@ -2,11 +2,11 @@
 
 Error tree::
 
-    RttsError                      base; has .code (wire string)
-    +-- ProtocolError              the client sent something we cannot act on (error event, stays open)
-    +-- Overloaded                 no capacity now; retry later (error event; close 1013 when at connect)
-    +-- EngineError                one synthesis request failed (error event for that context)
-        +-- EngineTimeout          one request exceeded its deadline
+    RttsError               base; has .code (wire string)
+    +-- ProtocolError       the client sent something we cannot act on (error event)
+    +-- Overloaded          no capacity now; retry later (error event, or 1013/503)
+    +-- EngineError         one synthesis request failed (error event for that context)
+        +-- EngineTimeout   one request exceeded its deadline
 
 Close codes used by the server (all documented in the README):
 

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -267,7 +267,7 @@ class Scheduler:
 
     def _run_in_thread(self, loop: asyncio.AbstractEventLoop, batch: list[RequestStream]) -> None:
         requests: Sequence[SynthRequest] = [s.request for s in batch]
-        gen: Iterator[tuple[int, npt.NDArray[np.float32] | None]] = self.engine.generate(requests)
+        gen = self.engine.generate(requests)
         finished = [False] * len(batch)
         try:
             for row, samples in gen:
@@ -282,7 +282,9 @@ class Scheduler:
                 elif samples.size:
                     self._post(loop, batch[row]._push, samples)
         finally:
-            gen.close()
+            close = getattr(gen, "close", None)
+            if close is not None:
+                close()  # a generator: stops the engine at its next step
         for row, stream in enumerate(batch):
             if requests[row].cancelled.is_set():
                 self.cancelled += 1

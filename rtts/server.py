@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
@@ -82,6 +83,7 @@ class App:
         self.stats = Stats()
         self.started_at = time.monotonic()
         self.server: Server | None = None
+        self.activity = asyncio.Event()  # set when a context or connection ends (for drain)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -114,8 +116,11 @@ class App:
         if self.server is not None:
             self.server.close(close_connections=False)
         deadline = time.monotonic() + self.config.shutdown_grace_s
-        while self.busy_connections() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        while self.busy_connections() and (left := deadline - time.monotonic()) > 0:
+            self.activity.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self.activity.wait()
         for conn in list(self.connections):
             await conn.close(CLOSE_GOING_AWAY, "server shutting down")
         if self.server is not None:
@@ -207,6 +212,7 @@ class App:
             await conn.run()
         finally:
             self.connections.discard(conn)
+            self.activity.set()
 
 
 @dataclass(frozen=True)
@@ -349,18 +355,17 @@ class Connection:
                 pipeline = ContextPipeline(self, action.context)
                 self.pipelines[cid] = pipeline
                 pipeline.task = self._spawn(pipeline.run(), f"rtts-context-{cid}")
-                pipeline.task.add_done_callback(
-                    lambda t, cid=cid, p=pipeline: self._forget(cid, p, t))
+                pipeline.task.add_done_callback(functools.partial(self._forget, cid, pipeline))
             elif isinstance(action, Synthesize):
-                pipeline = self.pipelines.get(action.context_id)
-                if pipeline is not None:
-                    pipeline.add(action)
+                target = self.pipelines.get(action.context_id)
+                if target is not None:
+                    target.add(action)
             elif isinstance(action, CancelContext):
                 self.app.stats.cancels += 1
                 self.dead_streams.add(action.stream)
-                pipeline = self.pipelines.pop(action.context_id, None)
-                if pipeline is not None:
-                    pipeline.cancel()
+                cancelled = self.pipelines.pop(action.context_id, None)
+                if cancelled is not None:
+                    cancelled.cancel()
         for cid, pipeline in self.pipelines.items():
             if cid not in self.session.contexts:
                 pipeline.wakeup.set()  # finished: let its task see that and return
@@ -368,6 +373,7 @@ class Connection:
     def _forget(self, cid: str, pipeline: ContextPipeline, task: asyncio.Task[None]) -> None:
         if self.pipelines.get(cid) is pipeline:
             del self.pipelines[cid]
+        self.app.activity.set()
         if not task.cancelled() and (exc := task.exception()) is not None and not isinstance(
                 exc, ConnectionClosed):
             logger.error("context %s pipeline failed", cid, exc_info=exc)

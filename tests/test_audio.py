@@ -1,7 +1,8 @@
+import io
+
 import numpy as np
 import pytest
 import soundfile as sf
-import io
 
 from rtts.audio import StreamingResampler, float_to_pcm16, pcm16_to_float, wav_bytes
 

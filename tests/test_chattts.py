@@ -12,7 +12,6 @@ import pytest
 pytest.importorskip("ChatTTS")
 
 from helpers import base_config, client, server  # noqa: E402
-
 from rtts.config import EngineConfig  # noqa: E402
 from rtts.engines.base import SynthRequest  # noqa: E402
 from rtts.engines.chattts_engine import ChatTTSEngine  # noqa: E402

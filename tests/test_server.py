@@ -10,13 +10,12 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from helpers import base_config, client, server
 from rtts.engines.fake import FakeEngine
 from rtts.errors import CLOSE_GOING_AWAY, CLOSE_MESSAGE_TOO_BIG, CLOSE_POLICY_VIOLATION
 from rtts.protocol import unpack_frame
 from rtts.scheduler import SchedulerConfig
 from rtts.server import bound_port
-
-from helpers import base_config, client, server
 
 
 def http_get(app, path):
@@ -128,7 +127,7 @@ async def test_contexts_interleave_on_one_connection():
         await c.until_all("done", {"one", "two", "three"})
         streams = {e["context_id"]: e["stream"] for e in c.got.of("segment_started")}
         assert len(set(streams.values())) == 3
-        for cid, stream in streams.items():
+        for stream in streams.values():
             assert c.got.audio(stream)
 
 

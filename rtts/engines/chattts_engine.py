@@ -77,7 +77,7 @@ class ChatTTSEngine:
         import transformers
         from ChatTTS import Chat
 
-        transformers.logging.set_verbosity_error()
+        transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
         warnings.filterwarnings("ignore", message=".*past_key_values.*")
 
         from .checkpoint import apply_overrides, ensure_default_checkpoint, is_random_checkpoint

@@ -100,7 +100,7 @@ def _vocab() -> list[str]:
 
 def _build_tokenizer(out: Path) -> int:
     from tokenizers import AddedToken
-    from transformers import BertTokenizerFast
+    from transformers import BertTokenizerFast  # type: ignore[attr-defined]
 
     vocab = {tok: i for i, tok in enumerate(_vocab())}
     tok = BertTokenizerFast(vocab=vocab, do_lower_case=False, tokenize_chinese_chars=True)

@@ -1,0 +1,119 @@
+/**
+ * @typedef {object} PlayerOptions
+ * @property {AudioContext} [audioContext] reuse an existing context
+ * @property {number} [targetMs=60]  prebuffer before a track starts (grows after underruns)
+ * @property {number} [maxMs=400]    largest prebuffer
+ * @property {number} [fadeMs=5]     fade-out on interrupt
+ */
+/**
+ * @typedef {object} PlayerStats
+ * @property {number} calls        render quanta processed
+ * @property {number} nonSilent    render quanta with audible output
+ * @property {number} samplesOut   audible samples output
+ * @property {number} underruns
+ * @property {number} bufferedMs
+ * @property {number} targetMs     current jitter-buffer target
+ * @property {number} level        peak of the last quantum
+ * @property {Object<string, {played: number, segments: Object<string, number>}>} positions
+ * @property {Object<string, number>} afterInterrupt audible samples played after interrupt
+ */
+export class PcmPlayer extends EventTarget {
+    /** @param {PlayerOptions} [options] */
+    constructor(options?: PlayerOptions);
+    options: PlayerOptions;
+    /** @type {AudioContext | null} */
+    context: AudioContext | null;
+    /** @type {AudioWorkletNode | null} */
+    node: AudioWorkletNode | null;
+    /** @type {AnalyserNode | null} */
+    analyser: AnalyserNode | null;
+    /** @type {PlayerStats | null} */
+    stats: PlayerStats | null;
+    _pending: Map<any, any>;
+    _nextId: number;
+    /** Create the context (if needed), load the worklet, start output. */
+    connect(): Promise<void>;
+    /** @returns {number} */
+    get sampleRate(): number;
+    _onMessage(msg: any): void;
+    /** Reserve a track's place in the play order before its audio arrives. */
+    announce(track: any): void;
+    /**
+     * Queue PCM16 samples for a track's segment.
+     * @param {number} track @param {number} segment @param {Int16Array} pcm
+     * @param {number} rate sample rate of `pcm`
+     */
+    write(track: number, segment: number, pcm: Int16Array, rate: number): void;
+    /** No more audio for this track. */
+    end(track: any): void;
+    /**
+     * Stop a track now (5 ms fade) and drop its queued and late audio.
+     * @param {number} track
+     * @returns {Promise<{played: number, segments: Object<string, number>}>} samples heard
+     */
+    interrupt(track: number): Promise<{
+        played: number;
+        segments: {
+            [x: string]: number;
+        };
+    }>;
+    /** Current output level in [0, 1] (for meters). */
+    level(): number;
+    close(): Promise<void>;
+}
+export type PlayerOptions = {
+    /**
+     * reuse an existing context
+     */
+    audioContext?: AudioContext;
+    /**
+     * prebuffer before a track starts (grows after underruns)
+     */
+    targetMs?: number;
+    /**
+     * largest prebuffer
+     */
+    maxMs?: number;
+    /**
+     * fade-out on interrupt
+     */
+    fadeMs?: number;
+};
+export type PlayerStats = {
+    /**
+     * render quanta processed
+     */
+    calls: number;
+    /**
+     * render quanta with audible output
+     */
+    nonSilent: number;
+    /**
+     * audible samples output
+     */
+    samplesOut: number;
+    underruns: number;
+    bufferedMs: number;
+    /**
+     * current jitter-buffer target
+     */
+    targetMs: number;
+    /**
+     * peak of the last quantum
+     */
+    level: number;
+    positions: {
+        [x: string]: {
+            played: number;
+            segments: {
+                [x: string]: number;
+            };
+        };
+    };
+    /**
+     * audible samples played after interrupt
+     */
+    afterInterrupt: {
+        [x: string]: number;
+    };
+};

@@ -1,0 +1,172 @@
+"""The JS client and AudioWorklet player in a real browser (Debian chromium via playwright).
+
+Skipped when /usr/bin/chromium or playwright is missing; .ci/run installs both.
+The server is a real rtts server on 127.0.0.1 with the fake engine (test double) paced
+at real time, serving web/ as it does in production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from rtts.config import EngineConfig
+from rtts.engines.fake import FakeEngine
+from rtts.server import bound_port, run_server
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = os.environ.get("RTTS_CHROMIUM", "/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--autoplay-policy=no-user-gesture-required"]
+
+if not shutil.which(CHROMIUM):
+    pytest.skip(f"{CHROMIUM} not installed", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api")
+
+from helpers import base_config  # noqa: E402
+
+
+class ServerThread:
+    """A real rtts server on its own event loop thread, for the synchronous browser API."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self.port = 0
+        self._ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._main())
+
+    async def _main(self) -> None:
+        self._stop = asyncio.Event()
+        cfg = replace(base_config(), engine=EngineConfig(name="fake"))
+        async with run_server(cfg, self.engine) as app:
+            self.app = app
+            self.port = bound_port(app)
+            self._ready.set()
+            await self._stop.wait()
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        assert self._ready.wait(30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def rtts_server() -> Iterator[ServerThread]:
+    # Paced at real time (rtf 1.0) so audio keeps arriving while it plays.
+    with ServerThread(FakeEngine(ms_per_char=50, chunk_ms=100, rtf=1.0)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture()
+def page(browser: object, rtts_server: ServerThread) -> Iterator[object]:
+    context = browser.new_context()  # type: ignore[attr-defined]
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(f"http://127.0.0.1:{rtts_server.port}/")
+    pg.wait_for_function("window.__rtts !== undefined")
+    yield pg
+    context.close()
+    assert not errors, errors
+
+
+def test_page_connects_plays_audio_and_screenshot(page: object) -> None:
+    info = page.evaluate("""async () => {
+        const u = await window.__rtts.speak("Hello there. This is the browser test speaking.");
+        const done = await u.done;
+        return {done, ttfa: u.ttfaMs, rate: window.__rtts.client.player.sampleRate,
+                state: window.__rtts.client.player.context.state};
+    }""")
+    assert info["state"] == "running"
+    assert info["done"]["segments"] >= 1 and info["ttfa"] is not None
+    # the worklet itself counts render quanta with audible output
+    page.wait_for_function("window.__rtts.stats && window.__rtts.stats.nonSilent > 100",
+                           timeout=15000)
+    stats = page.evaluate("window.__rtts.stats")
+    assert stats["samplesOut"] > 0.5 * info["rate"]
+    assert page.locator("#ttfa").inner_text().endswith("ms")
+    assert page.locator("#segments li").count() >= 1
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "demo.png"), full_page=True)
+    assert (ARTIFACTS / "demo.png").stat().st_size > 10_000
+
+
+def test_cancel_stops_output_within_100ms_of_audio(page: object) -> None:
+    result = page.evaluate("""async () => {
+        const c = await window.__rtts.ensureClient();
+        const u = c.speak("This is a long utterance that keeps going for many seconds, " +
+                          "so that cancelling it in the middle really matters here.");
+        // wait until it is audibly playing
+        await new Promise((resolve) => {
+          const tick = () => (window.__rtts.stats?.positions?.[u.track]?.played > 4000)
+              ? resolve() : setTimeout(tick, 20);
+          tick();
+        });
+        const heard = await c.cancel(u.contextId);
+        const before = window.__rtts.stats.samplesOut;
+        await new Promise((r) => setTimeout(r, 600));
+        return {heard, track: u.track, rate: c.player.sampleRate,
+                after: window.__rtts.stats.afterInterrupt[u.track] ?? 0,
+                grew: window.__rtts.stats.samplesOut - before, state: u.state};
+    }""")
+    assert result["state"] == "cancelled"
+    assert result["heard"]["playedMs"] > 0
+    # audible samples the worklet output after the interrupt: the 5 ms fade, < 100 ms
+    assert result["after"] <= 0.1 * result["rate"], result
+    assert result["grew"] <= 0.1 * result["rate"], result
+
+
+def test_two_contexts_play_in_order_gaplessly(page: object) -> None:
+    result = page.evaluate("""async () => {
+        const c = await window.__rtts.ensureClient();
+        const finished = [];
+        c.player.addEventListener("finished", (e) => finished.push(e.detail));
+        const received = {};
+        const a = c.speak("First context, first.", {voice: "seed:1"});
+        const b = c.speak("Second context, after.", {voice: "seed:2"});
+        for (const u of [a, b]) {
+          received[u.track] = 0;
+          u.addEventListener("audio", (e) => { received[u.track] += e.detail.pcm.length; });
+        }
+        await Promise.all([a.done, b.done]);
+        await Promise.all([a.ended, b.ended]);
+        return {finished, received, a: a.track, b: b.track, rate: c.player.sampleRate,
+                sent: a.sampleRate, ha: a.heard(), hb: b.heard()};
+    }""")
+    order = [f["stream"] for f in result["finished"] if f["reason"] == "ended"]
+    assert order.index(result["a"]) < order.index(result["b"])
+    for key in ("a", "b"):
+        track = result[key]
+        played = next(f["played"] for f in result["finished"] if f["stream"] == track)
+        expected = result["received"][str(track)] * result["rate"] / result["sent"]
+        assert abs(played - expected) <= 2, (played, expected)  # nothing lost or doubled
+    assert result["ha"]["segments"] and result["ha"]["playedMs"] > 0

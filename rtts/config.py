@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .governor import GovernorConfig
 from .scheduler import SchedulerConfig
 from .session import SessionLimits
 
@@ -64,6 +65,7 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     limits: SessionLimits = field(default_factory=SessionLimits)
+    governor: GovernorConfig = field(default_factory=GovernorConfig)
 
 
 def _web_dir() -> Path | None:

@@ -48,6 +48,12 @@ def render_metrics(app: App) -> str:
         *(f"rtts_time_to_first_audio_seconds{{quantile=\"{q}\"}} {_quantile(ttfa, q):.4f}"
           for q in (0.5, 0.95, 0.99)),
         f"rtts_time_to_first_audio_seconds_count {len(ttfa)}",
+        "# TYPE rtts_load_level gauge", f"rtts_load_level {int(app.governor.level)}",
+        "# TYPE rtts_degraded gauge", f"rtts_degraded {int(app.degraded)}",
+        "# TYPE rtts_governor_transitions_total counter",
+        *(f"rtts_governor_transitions_total{{transition=\"{k}\"}} {v}"
+          for k, v in sorted(app.governor.transitions.items())),
+        "# TYPE rtts_rejected_total counter", f"rtts_rejected_total {s.rejected}",
         "# TYPE rtts_process_rss_bytes gauge",
         f"rtts_process_rss_bytes {psutil.Process().memory_info().rss}",
     ]

@@ -128,6 +128,7 @@ class Scheduler:
         self.completed = 0
         self.failed = 0
         self.cancelled = 0
+        self.degraded = False  # set by the load governor: no batch wait
 
     # -- public API ---------------------------------------------------------------
 
@@ -193,7 +194,8 @@ class Scheduler:
         return self._queue
 
     async def _gather_wait(self) -> None:
-        deadline = time.monotonic() + self.config.max_wait_ms / 1000.0
+        wait_ms = 0.0 if self.degraded else self.config.max_wait_ms
+        deadline = time.monotonic() + wait_ms / 1000.0
         while len(self._live()) < self.config.max_batch_size:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+import psutil
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
@@ -34,12 +35,14 @@ from .errors import (
     CLOSE_GOING_AWAY,
     CLOSE_POLICY_VIOLATION,
     CLOSE_SLOW_CLIENT,
+    CLOSE_TRY_AGAIN_LATER,
     ErrorCode,
     ProtocolError,
     RttsError,
 )
+from .governor import Governor, Level, LoadSignals
 from .http import respond, static_file
-from .protocol import FrameHeader, pack_frame, parse_client_message
+from .protocol import FrameHeader, StartMessage, pack_frame, parse_client_message
 from .scheduler import RequestStream, Scheduler
 from .segmenter import Segmenter
 from .session import (
@@ -65,6 +68,7 @@ class Stats:
     segment_errors: int = 0
     cancels: int = 0
     protocol_errors: int = 0
+    rejected: int = 0
     frames_sent: int = 0
     audio_seconds_sent: float = 0.0
     ttfa_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
@@ -84,6 +88,9 @@ class App:
         self.started_at = time.monotonic()
         self.server: Server | None = None
         self.activity = asyncio.Event()  # set when a context or connection ends (for drain)
+        self.governor = Governor(config.governor)
+        self._sampler: asyncio.Task[None] | None = None
+        self._process = psutil.Process()
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -100,9 +107,51 @@ class App:
             logger.exception("engine %s failed to load", self.engine.name)
             raise
         await self.scheduler.start()
+        self._sampler = asyncio.create_task(self._sample_load(), name="rtts-governor")
         self.state, self.state_reason = "ready", "ready"
         logger.info("engine %s ready on %s in %.1fs", self.engine.name, self.engine.device,
                     time.monotonic() - t0)
+
+    # -- load governor -----------------------------------------------------------------
+
+    @property
+    def degraded(self) -> bool:
+        return self.governor.level >= Level.DEGRADED
+
+    @property
+    def rejecting(self) -> bool:
+        return self.governor.level >= Level.REJECTING
+
+    def load_signals(self) -> LoadSignals:
+        gpu = 0.0
+        if self.engine.device.startswith("cuda"):
+            import torch
+
+            free, total = torch.cuda.mem_get_info()
+            gpu = 1.0 - free / total
+        return LoadSignals(
+            queue_depth=self.scheduler.queue_depth,
+            rss_mb=self._process.memory_info().rss / 2**20,
+            cpu_percent=psutil.cpu_percent(None),
+            gpu_mem_fraction=gpu,
+        )
+
+    async def _sample_load(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.governor.interval_s)
+            before = self.governor.level
+            level = self.governor.update(self.load_signals(), time.monotonic())
+            if level != before:
+                self.apply_level(level)
+
+    def apply_level(self, level: Level) -> None:
+        """Propagate a governor level to the scheduler, sessions and clients."""
+        self.scheduler.degraded = level >= Level.DEGRADED
+        event = {"type": "server_state", "level": level.name.lower(),
+                 "degraded": level >= Level.DEGRADED, "reason": self.governor.reason}
+        for conn in self.connections:
+            conn.session.degraded = level >= Level.DEGRADED
+            conn.notify(event)
 
     def busy_connections(self) -> int:
         return sum(1 for c in self.connections if c.session.contexts)
@@ -121,6 +170,10 @@ class App:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(left):
                     await self.activity.wait()
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sampler
         for conn in list(self.connections):
             await conn.close(CLOSE_GOING_AWAY, "server shutting down")
         if self.server is not None:
@@ -205,7 +258,16 @@ class App:
     # -- WebSocket -----------------------------------------------------------------------
 
     async def handle(self, ws: ServerConnection) -> None:
+        if self.rejecting:
+            self.stats.rejected += 1
+            with contextlib.suppress(ConnectionClosed):
+                reason = f"server overloaded ({self.governor.reason}); retry later"
+                await ws.send(orjson.dumps({"type": "error", "code": str(ErrorCode.OVERLOADED),
+                                            "message": reason}).decode())
+                await ws.close(CLOSE_TRY_AGAIN_LATER, "server overloaded")
+            return
         conn = Connection(self, ws)
+        conn.session.degraded = self.degraded
         self.connections.add(conn)
         self.stats.connections_total += 1
         try:
@@ -253,7 +315,7 @@ class Connection:
         try:
             await self.send(0, self.session.hello(
                 engine=self.app.engine.name, sample_rate=self.app.engine.sample_rate,
-                degraded=False).event)
+                degraded=self.app.degraded).event)
             await self._reader()
         except ConnectionClosed:
             pass
@@ -328,12 +390,30 @@ class Connection:
             try:
                 msg = parse_client_message(
                     message, max_text_chars=self.cfg.limits.max_text_chars_per_message)
+                if isinstance(msg, StartMessage):
+                    self._check_start(msg)
                 actions = self.session.receive(msg)
             except ProtocolError as exc:
                 await self._protocol_error(exc, _peek_context(message))
                 continue
             await self._apply(actions)
             self._timer_wakeup.set()
+
+    def _check_start(self, msg: StartMessage) -> None:
+        if self.app.rejecting:
+            self.app.stats.rejected += 1
+            raise ProtocolError("server overloaded; retry later", code=ErrorCode.OVERLOADED)
+        validate = getattr(self.app.engine, "validate", None)
+        if validate is not None:
+            try:
+                validate(msg.params)
+            except ValueError as exc:
+                raise ProtocolError(str(exc), code=ErrorCode.INVALID_PARAMS) from None
+
+    def notify(self, event: dict[str, Any]) -> None:
+        """Queue an event without waiting (server-state broadcasts); dropped if full."""
+        with contextlib.suppress(asyncio.QueueFull):
+            self.out.put_nowait((0, orjson.dumps(event).decode()))
 
     async def _protocol_error(self, exc: ProtocolError, context_id: str | None = None) -> None:
         self.session.protocol_errors += 1
@@ -420,7 +500,8 @@ class ContextPipeline:
         while self.pending and len(self.inflight) < self.conn.cfg.lookahead_segments:
             job = self.pending.popleft()
             request = SynthRequest(job.chunk.text, self.ctx.params,
-                                   priority=0 if job.index == 0 else 1)
+                                   priority=0 if job.index == 0 else 1,
+                                   degraded=self.app.degraded)
             try:
                 self.inflight.append((job, self.app.scheduler.submit(request)))
             except RttsError as exc:

@@ -48,6 +48,7 @@ class SessionLimits:
     default_idle_flush_ms: int = 1500
     default_schedule: tuple[int, ...] = DEFAULT_SCHEDULE
     default_max_chunk_chars: int = DEFAULT_MAX_CHARS
+    degraded_max_chunk_chars: int = 80  # shorter segments while the server is degraded
 
 
 # -- actions -----------------------------------------------------------------------
@@ -116,6 +117,7 @@ class Session:
         self.contexts: dict[str, ContextState] = {}
         self._next_stream = 1
         self.protocol_errors = 0
+        self.degraded = False  # set by the server from its load governor
 
     def hello(self, **info: Any) -> SendEvent:
         return SendEvent({"type": "ready", "protocol": PROTOCOL_VERSION,
@@ -180,6 +182,8 @@ class Session:
                 code=ErrorCode.TOO_MANY_CONTEXTS,
             )
         max_chars = msg.max_chunk_chars or self.limits.default_max_chunk_chars
+        if self.degraded:
+            max_chars = min(max_chars, self.limits.degraded_max_chunk_chars)
         ctx = ContextState(
             context_id=msg.context_id,
             stream=self._next_stream,

@@ -28,6 +28,7 @@ class SynthRequest:
     params: SynthParams
     priority: int = 1  # 0 = a stream's first segment (served first)
     max_new_token: int | None = None
+    degraded: bool = False  # server under load: the engine may use cheaper settings
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:

@@ -181,13 +181,16 @@ class ChatTTSEngine:
     def _max_tokens(self, request: SynthRequest) -> int:
         if request.max_new_token is not None:
             return request.max_new_token
-        return min(self.config.max_new_token, 48 + 10 * len(request.text))
+        cap = self.config.max_new_token
+        if request.degraded:
+            cap = cap * 3 // 4
+        return min(cap, 48 + 10 * len(request.text))
 
     def _texts(self, batch: Sequence[SynthRequest], params: SynthParams) -> list[str]:
         chat = self.chat
         texts = [chat.normalizer(r.text, True, True, None) or r.text for r in batch]
-        if not params.refine:
-            return texts
+        if not params.refine or any(r.degraded for r in batch):
+            return texts  # refine is an extra GPT pass: skipped under load
         refined = chat._refine_text(texts, chat.device, _refine_params(chat, params))
         ids = [i[i.less(chat.tokenizer.break_0_ids)] for i in refined.ids]
         out = chat.tokenizer.decode(ids)

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-token", type=int, default=EngineConfig.max_new_token)
     s.add_argument("--stream-tokens", type=int, default=EngineConfig.stream_tokens,
                    help="GPT steps between partial decodes (first audio after this many)")
+    s.add_argument("--decode-tokens", type=int, default=EngineConfig.decode_tokens,
+                   help="after the first audio, decode every this many GPT steps")
     s.add_argument("--max-batch-size", type=int, default=SchedulerConfig.max_batch_size)
     s.add_argument("--max-wait-ms", type=float, default=SchedulerConfig.max_wait_ms)
     s.add_argument("--concurrency", type=int, default=SchedulerConfig.concurrency,
@@ -58,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("doctor", help="check the install; --fix repairs known problems")
     d.add_argument("--fix", action="store_true")
+
+    from .bench import add_parser
+
+    add_parser(sub)
     return p
 
 
@@ -72,7 +78,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         engine=EngineConfig(
             name=args.engine, source=args.source, model_dir=args.model_dir,
             device=args.device, threads=args.threads, max_new_token=args.max_new_token,
-            stream_tokens=args.stream_tokens, fake_rtf=args.fake_rtf,
+            stream_tokens=args.stream_tokens, decode_tokens=args.decode_tokens,
+            fake_rtf=args.fake_rtf,
         ),
         scheduler=SchedulerConfig(
             max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
@@ -106,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # one line per connection is noise at INFO; rtts logs what matters itself
+    logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.root.level))
     if args.command == "serve":
         return asyncio.run(serve_until_signalled(config_from_args(args)))
     if args.command == "model":
@@ -114,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         make_random_checkpoint(args.dir, args.size, args.seed)
         print(f"random {args.size} checkpoint written to {args.dir}")
         return 0
+    if args.command == "bench":
+        from .bench import run_bench
+
+        return run_bench(args)
     if args.command == "doctor":
         from .doctor import run_doctor
 

@@ -37,11 +37,13 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # torch intra-op threads; None = all cores
     max_new_token: int = 384  # GPT steps per segment (~8 s of audio)
-    stream_tokens: int = 8  # GPT steps between partial decodes (first audio after this many)
+    stream_tokens: int = 8  # GPT steps before the first partial decode (first audio)
+    decode_tokens: int = 24  # then decode once this many new tokens are ready
     decode_context: int = 16  # tokens of left context when decoding a window
     decode_lookahead: int = 4  # tokens held back until their right context exists
     default_voice_seed: int = 2
     compile: bool = False
+    fixed_tokens: int | None = None  # benchmarks: every segment exactly this many GPT steps
     fake_rtf: float = 0.0  # fake engine only
     fake_first_chunk_ms: float = 0.0  # fake engine only
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import psutil
@@ -19,9 +20,23 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _histogram(name: str, counts: Counter[int], bounds: tuple[int, ...]) -> list[str]:
+    lines, cumulative = [], 0
+    for bound in bounds:
+        cumulative = sum(v for k, v in counts.items() if k <= bound)
+        lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
+    total = sum(counts.values())
+    lines.append(f'{name}_bucket{{le="+Inf"}} {total}')
+    lines.append(f"{name}_sum {sum(k * v for k, v in counts.items())}")
+    lines.append(f"{name}_count {total}")
+    return lines
+
+
 def render_metrics(app: App) -> str:
     s, sch = app.stats, app.scheduler
     ttfa = list(s.ttfa_s)
+    lat = list(s.frame_latency_s)
+    audio_gen = sch.audio_samples / app.engine.sample_rate
     lines = [
         "# TYPE rtts_up gauge", f"rtts_up{{state=\"{app.state}\"}} 1",
         "# TYPE rtts_active_connections gauge", f"rtts_active_connections {len(app.connections)}",
@@ -39,11 +54,17 @@ def render_metrics(app: App) -> str:
         f"rtts_audio_seconds_sent_total {s.audio_seconds_sent:.3f}",
         "# TYPE rtts_queue_depth gauge", f"rtts_queue_depth {sch.queue_depth}",
         "# TYPE rtts_running_batches gauge", f"rtts_running_batches {sch.running_batches}",
-        "# TYPE rtts_batch_size_total counter",
-        *(f"rtts_batch_size_total{{size=\"{k}\"}} {v}" for k, v in sorted(sch.batch_sizes.items())),
+        "# TYPE rtts_batch_size histogram",
+        *_histogram("rtts_batch_size", sch.batch_sizes, (1, 2, 4, 8, 16, 32, 64)),
         "# TYPE rtts_requests_completed_total counter",
         f"rtts_requests_completed_total {sch.completed}",
         "# TYPE rtts_requests_failed_total counter", f"rtts_requests_failed_total {sch.failed}",
+        "# TYPE rtts_engine_busy_seconds_total counter",
+        f"rtts_engine_busy_seconds_total {sch.busy_s:.3f}",
+        "# TYPE rtts_audio_seconds_generated_total counter",
+        f"rtts_audio_seconds_generated_total {audio_gen:.3f}",
+        "# TYPE rtts_real_time_factor gauge",
+        f"rtts_real_time_factor {sch.busy_s / audio_gen if audio_gen else 0.0:.4f}",
         "# TYPE rtts_time_to_first_audio_seconds summary",
         *(f"rtts_time_to_first_audio_seconds{{quantile=\"{q}\"}} {_quantile(ttfa, q):.4f}"
           for q in (0.5, 0.95, 0.99)),
@@ -54,6 +75,10 @@ def render_metrics(app: App) -> str:
         *(f"rtts_governor_transitions_total{{transition=\"{k}\"}} {v}"
           for k, v in sorted(app.governor.transitions.items())),
         "# TYPE rtts_rejected_total counter", f"rtts_rejected_total {s.rejected}",
+        "# TYPE rtts_frame_latency_seconds summary",
+        *(f"rtts_frame_latency_seconds{{quantile=\"{q}\"}} {_quantile(lat, q):.5f}"
+          for q in (0.5, 0.95, 0.99)),
+        f"rtts_frame_latency_seconds_count {len(lat)}",
         "# TYPE rtts_process_rss_bytes gauge",
         f"rtts_process_rss_bytes {psutil.Process().memory_info().rss}",
     ]

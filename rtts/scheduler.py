@@ -62,6 +62,8 @@ class RequestStream:
         self.first_audio_at: float | None = None
         self.solo = False  # retry alone: its batch failed before it produced audio
         self._pending: deque[npt.NDArray[np.float32]] = deque()
+        self._pushed_at: deque[float] = deque()
+        self.produced_at = 0.0  # when the oldest chunk of the last __anext__ result arrived
         self._done = False
         self._error: Exception | None = None
         self._wakeup = asyncio.Event()
@@ -77,9 +79,11 @@ class RequestStream:
     def _push(self, samples: npt.NDArray[np.float32]) -> None:
         if self._done:
             return
+        now = time.monotonic()
         if self.first_audio_at is None:
-            self.first_audio_at = time.monotonic()
+            self.first_audio_at = now
         self._pending.append(samples)
+        self._pushed_at.append(now)
         self._wakeup.set()
 
     def _finish(self, error: Exception | None) -> None:
@@ -95,6 +99,8 @@ class RequestStream:
     async def __anext__(self) -> npt.NDArray[np.float32]:
         while True:
             if self._pending:
+                self.produced_at = self._pushed_at[0]
+                self._pushed_at.clear()
                 if len(self._pending) == 1:
                     return self._pending.popleft()
                 merged = np.concatenate(list(self._pending))
@@ -129,6 +135,8 @@ class Scheduler:
         self.failed = 0
         self.cancelled = 0
         self.degraded = False  # set by the load governor: no batch wait
+        self.busy_s = 0.0  # device time spent in batches
+        self.audio_samples = 0  # audio the engine produced (at engine.sample_rate)
 
     # -- public API ---------------------------------------------------------------
 
@@ -228,6 +236,7 @@ class Scheduler:
         self.batch_sizes[len(batch)] += 1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("batch of %d: %s", len(batch), [s.request.text[:20] for s in batch])
+        started = time.monotonic()
         future = loop.run_in_executor(self._executor, self._run_in_thread, loop, batch)
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
@@ -263,6 +272,7 @@ class Scheduler:
                     s._finish(error)
                     self.failed += 1
         finally:
+            self.busy_s += time.monotonic() - started
             self.running_batches -= 1
             self._slots.release()
             self._arrived.set()
@@ -282,6 +292,7 @@ class Scheduler:
                     self._post(loop, batch[row]._finish, None)
                     self.completed += 1
                 elif samples.size:
+                    self.audio_samples += samples.size
                     self._post(loop, batch[row]._push, samples)
         finally:
             close = getattr(gen, "close", None)

@@ -72,13 +72,17 @@ class Stats:
     frames_sent: int = 0
     audio_seconds_sent: float = 0.0
     ttfa_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+    # engine output -> frame handed to the socket, per frame (server-added latency)
+    frame_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=20000))
 
 
 class App:
     """Owns the engine, the scheduler and the server state (loading/ready/draining)."""
 
-    def __init__(self, config: ServerConfig, engine: Engine | None = None) -> None:
+    def __init__(self, config: ServerConfig, engine: Engine | None = None,
+                 own_engine: bool = True) -> None:
         self.config = config
+        self.own_engine = own_engine  # close the engine at shutdown
         self.engine: Engine = engine or build_engine(config.engine)
         self.scheduler = Scheduler(self.engine, config.scheduler)
         self.state = "loading"
@@ -106,9 +110,7 @@ class App:
             self.state_reason = f"model load failed: {type(exc).__name__}: {exc}"
             logger.exception("engine %s failed to load", self.engine.name)
             raise
-        await self.scheduler.start()
-        self._sampler = asyncio.create_task(self._sample_load(), name="rtts-governor")
-        self.state, self.state_reason = "ready", "ready"
+        await self.start_serving()
         logger.info("engine %s ready on %s in %.1fs", self.engine.name, self.engine.device,
                     time.monotonic() - t0)
 
@@ -153,6 +155,12 @@ class App:
             conn.session.degraded = level >= Level.DEGRADED
             conn.notify(event)
 
+    async def start_serving(self) -> None:
+        """With a loaded engine: start the scheduler and the governor; /readyz turns 200."""
+        await self.scheduler.start()
+        self._sampler = asyncio.create_task(self._sample_load(), name="rtts-governor")
+        self.state, self.state_reason = "ready", "ready"
+
     def busy_connections(self) -> int:
         return sum(1 for c in self.connections if c.session.contexts)
 
@@ -179,7 +187,8 @@ class App:
         if self.server is not None:
             await self.server.wait_closed()
         await self.scheduler.stop()
-        await asyncio.to_thread(self.engine.close)
+        if self.own_engine:
+            await asyncio.to_thread(self.engine.close)
         logger.info("shutdown complete")
 
     # -- HTTP --------------------------------------------------------------------------
@@ -293,7 +302,7 @@ class Connection:
         self.ws = ws
         self.cfg = app.config
         self.session = Session(app.config.limits, session_id=secrets.token_hex(8))
-        self.out: asyncio.Queue[tuple[int, str | bytes | _Close]] = asyncio.Queue(
+        self.out: asyncio.Queue[tuple[int, str | bytes | _Close, float]] = asyncio.Queue(
             maxsize=app.config.send_queue_frames)
         self.pipelines: dict[str, ContextPipeline] = {}
         self.dead_streams: set[int] = set()
@@ -347,12 +356,13 @@ class Connection:
 
     # -- outbound ------------------------------------------------------------------
 
-    async def send(self, stream: int, item: dict[str, Any] | bytes) -> None:
+    async def send(self, stream: int, item: dict[str, Any] | bytes,
+                   produced_at: float = 0.0) -> None:
         """Queue an event or frame; wait for space (pacing); close 4008 if it never comes."""
         payload = orjson.dumps(item).decode() if isinstance(item, dict) else item
         try:
             async with asyncio.timeout(self.cfg.slow_client_timeout_s):
-                await self.out.put((stream, payload))
+                await self.out.put((stream, payload, produced_at))
         except TimeoutError:
             if self._close_task is None:
                 logger.warning("session %s: client too slow, closing",
@@ -367,8 +377,9 @@ class Connection:
             await self._write_loop()
 
     async def _write_loop(self) -> None:
+        stats = self.app.stats
         while True:
-            stream, payload = await self.out.get()
+            stream, payload, produced_at = await self.out.get()
             if isinstance(payload, _Close):
                 await self.close(payload.code, payload.reason)
                 return
@@ -376,7 +387,9 @@ class Connection:
                 continue  # late frame of a cancelled context
             await self.ws.send(payload)
             if isinstance(payload, bytes):
-                self.app.stats.frames_sent += 1
+                stats.frames_sent += 1
+                if produced_at:
+                    stats.frame_latency_s.append(time.monotonic() - produced_at)
 
     # -- inbound -------------------------------------------------------------------
 
@@ -413,7 +426,7 @@ class Connection:
     def notify(self, event: dict[str, Any]) -> None:
         """Queue an event without waiting (server-state broadcasts); dropped if full."""
         with contextlib.suppress(asyncio.QueueFull):
-            self.out.put_nowait((0, orjson.dumps(event).decode()))
+            self.out.put_nowait((0, orjson.dumps(event).decode(), 0.0))
 
     async def _protocol_error(self, exc: ProtocolError, context_id: str | None = None) -> None:
         self.session.protocol_errors += 1
@@ -421,7 +434,8 @@ class Connection:
         await self.send(0, self.session.error(exc, context_id).event)
         if self.session.protocol_errors >= self.cfg.max_protocol_errors:
             # Close behind the queued events, so the client sees why.
-            await self.out.put((0, _Close(CLOSE_POLICY_VIOLATION, "too many protocol errors")))
+            await self.out.put((0, _Close(CLOSE_POLICY_VIOLATION, "too many protocol errors"),
+                                0.0))
             self._close_task = self._writer_task
             raise ConnectionClosed(None, None)
 
@@ -540,12 +554,13 @@ class ContextPipeline:
         seq = 0
         total = 0
 
-        async def emit(samples: np.ndarray) -> None:
+        async def emit(samples: np.ndarray, produced_at: float) -> None:
             nonlocal seq, total
             for i in range(0, len(samples), frame_len):
                 piece = samples[i:i + frame_len]
                 header = FrameHeader(ctx.stream, job.index, seq)
-                await conn.send(ctx.stream, pack_frame(header, float_to_pcm16(piece)))
+                await conn.send(ctx.stream, pack_frame(header, float_to_pcm16(piece)),
+                                produced_at)
                 seq += 1
                 total += len(piece)
                 if not self.first_audio_sent:
@@ -555,8 +570,8 @@ class ContextPipeline:
         try:
             async for samples in stream:
                 self._submit_ahead()
-                await emit(resampler.process(samples))
-            await emit(resampler.flush())
+                await emit(resampler.process(samples), stream.produced_at)
+            await emit(resampler.flush(), 0.0)
         except RttsError as exc:
             stats.segment_errors += 1
             await conn._apply(conn.session.segment_failed(ctx.context_id, job.index, exc))
@@ -577,12 +592,12 @@ def _peek_context(message: str) -> str | None:
 
 @contextlib.asynccontextmanager
 async def run_server(config: ServerConfig, engine: Engine | None = None,
-                     load: bool = True) -> AsyncIterator[App]:
+                     load: bool = True, own_engine: bool = True) -> AsyncIterator[App]:
     """Start listening at once (``/healthz`` up, ``/readyz`` 503), load the engine, yield.
 
     On exit the server drains gracefully (see :meth:`App.drain_and_close`).
     """
-    app = App(config, engine)
+    app = App(config, engine, own_engine)
     app.server = await serve(
         app.handle, config.host, config.port,
         process_request=app.process_request,

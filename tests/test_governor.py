@@ -4,9 +4,9 @@ import asyncio
 from dataclasses import replace
 
 import pytest
-from helpers import base_config, client, server
 from websockets.exceptions import ConnectionClosed
 
+from helpers import base_config, client, server
 from rtts.engines.fake import FakeEngine
 from rtts.governor import Governor, GovernorConfig, Level, LoadSignals
 from rtts.scheduler import SchedulerConfig

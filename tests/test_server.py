@@ -355,3 +355,26 @@ async def test_frames_are_valid_pcm16():
         header, _ = unpack_frame(
             b"\x01\x00\x01\x00" + b"\x00" * 8)
         assert header.stream == 1
+
+
+async def test_metrics_after_traffic():
+    async with server() as (app, url):
+        async with client(url) as c:
+            await c.send(type="start")
+            await c.send(type="text", text="Count me in the metrics.")
+            await c.send(type="cancel")
+            await c.until("cancelled")
+            await c.send(type="start", context_id="b")
+            await c.send(type="text", context_id="b", text="And this one too.")
+            await c.send(type="end", context_id="b")
+            await c.until("done", "b")
+        _, body, _ = await aget(app, "/metrics")
+        text = body.decode()
+        values = {line.split(" ")[0]: float(line.split(" ")[1])
+                  for line in text.splitlines() if line and not line.startswith("#")}
+        assert values['rtts_batch_size_bucket{le="+Inf"}'] == values["rtts_batch_size_count"] >= 1
+        assert values["rtts_time_to_first_audio_seconds_count"] >= 1
+        assert values["rtts_frame_latency_seconds_count"] >= 1
+        assert values["rtts_cancels_total"] == 1
+        assert values["rtts_audio_seconds_generated_total"] > 0
+        assert values["rtts_degraded"] == 0

@@ -1,0 +1,306 @@
+"""``rtts bench``: real WebSocket clients against a real rtts server, measured side by side.
+
+Two modes:
+
+``rtts bench chattts --model-dir DIR``
+    Runs the same load twice in one process, one server after the other, each with its
+    own copy of the checkpoint: a serialized baseline (an unmodified ``Chat`` serving
+    stock ``Chat.infer(stream=True)`` one request at a time, as the ChatTTS example API
+    does) and rtts (cross-stream batching, early windowed decode). Prints time to first
+    audio p50/p95, aggregate audio-seconds per wall-second, RTF and peak RSS for each,
+    and the ratios. Every segment is forced to
+    ``--tokens`` GPT steps so random weights give equal work in both runs.
+
+``rtts bench fake --streams 200 --idle 1000``
+    Starts ``rtts serve --engine fake`` (paced at real time) in a subprocess, runs
+    ``--streams`` concurrent streaming sessions, and reads the server-added latency per
+    frame (engine output -> socket) from ``/metrics``; then holds ``--idle`` idle
+    connections open and checks they all still answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+from websockets.asyncio.client import connect
+
+__all__ = ["add_parser", "run_bench"]
+
+BENCH_TEXT = "Streaming speech should start quickly and keep flowing"
+
+
+@dataclass
+class StreamResult:
+    ttfa_s: float
+    audio_s: float
+    wall_s: float
+
+
+@dataclass
+class LoadResult:
+    name: str
+    streams: int
+    results: list[StreamResult]
+    wall_s: float
+    peak_rss_mb: float
+
+    def row(self) -> dict[str, float]:
+        ttfa = sorted(r.ttfa_s for r in self.results)
+        audio = sum(r.audio_s for r in self.results)
+        return {
+            "ttfa_p50_s": statistics.median(ttfa),
+            "ttfa_p95_s": ttfa[min(len(ttfa) - 1, int(0.95 * len(ttfa)))],
+            "audio_s": audio,
+            "wall_s": self.wall_s,
+            "throughput": audio / self.wall_s,  # audio-seconds per wall-second
+            "rtf": self.wall_s / (audio / self.streams),  # wall per stream's audio
+            "peak_rss_mb": self.peak_rss_mb,
+        }
+
+
+class RssSampler:
+    """Peak RSS of this process (and children), sampled on a thread."""
+
+    def __init__(self, pid: int | None = None) -> None:
+        self.proc = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _rss(self) -> int:
+        total: int = self.proc.memory_info().rss
+        for child in self.proc.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                total += child.memory_info().rss
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            with contextlib.suppress(psutil.Error):
+                self.peak = max(self.peak, self._rss())
+
+    def __enter__(self) -> RssSampler:
+        self.peak = self._rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+async def one_stream(url: str, text: str, index: int, pieces: int = 1) -> StreamResult:
+    """Open a session, stream ``text`` in ``pieces``, wait for ``done``."""
+    async with connect(url, max_size=None) as ws:
+        await ws.recv()  # ready
+        await ws.send(json.dumps({"type": "start", "voice": f"seed:{index % 5}", "seed": 1}))
+        t0 = time.perf_counter()
+        step = max(1, len(text) // pieces)
+        for i in range(0, len(text), step):
+            await ws.send(json.dumps({"type": "text", "text": text[i:i + step]}))
+        await ws.send(json.dumps({"type": "end"}))
+        first = None
+        samples = 0
+        rate = 24000
+        while True:
+            msg = await ws.recv()
+            if isinstance(msg, bytes):
+                if first is None:
+                    first = time.perf_counter() - t0
+                samples += (len(msg) - 12) // 2
+                continue
+            event = json.loads(msg)
+            if event["type"] == "segment_started":
+                rate = event["sample_rate"]
+            elif event["type"] == "error":
+                raise RuntimeError(f"stream {index}: {event}")
+            elif event["type"] == "done":
+                break
+        return StreamResult(first or 0.0, samples / rate, time.perf_counter() - t0)
+
+
+async def run_load(url: str, streams: int, text: str) -> tuple[list[StreamResult], float]:
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(one_stream(url, text, i) for i in range(streams)))
+    return list(results), time.perf_counter() - t0
+
+
+# -- chattts mode ---------------------------------------------------------------------
+
+
+async def bench_chattts(args: argparse.Namespace) -> dict[str, Any]:
+    from .engines.chattts_engine import configure_threads_env
+
+    configure_threads_env()  # the same for both servers: they share this process
+    import torch
+
+    from .config import EngineConfig, ServerConfig
+    from .engines.base import SynthRequest
+    from .engines.chattts_engine import ChatTTSEngine, StockChatTTSEngine
+    from .protocol import SynthParams
+    from .scheduler import SchedulerConfig
+    from .server import bound_port, run_server
+
+    torch.set_num_threads(args.threads)
+    ecfg = EngineConfig(source="custom", model_dir=args.model_dir, device=args.device,
+                        threads=args.threads, fixed_tokens=args.tokens,
+                        stream_tokens=args.stream_tokens)
+    base = ServerConfig(port=0, ping_interval_s=None, web_dir=None)
+    # One phase per server, in the same process and run; each loads its own model.
+    phases = [
+        ("stock-serialized", StockChatTTSEngine,
+         SchedulerConfig(max_batch_size=1, concurrency=1, request_timeout_s=3600)),
+        ("rtts", ChatTTSEngine,
+         SchedulerConfig(max_batch_size=args.streams, max_wait_ms=20, request_timeout_s=3600)),
+    ]
+    out: dict[str, Any] = {"tokens": args.tokens, "threads": args.threads, "runs": {}}
+    for name, engine_cls, sched in phases:
+        engine = engine_cls(ecfg)
+        t = time.perf_counter()
+        engine.load()
+        engine.warmup()
+        for _ in engine.generate([SynthRequest("warm up", SynthParams(), max_new_token=16)]):
+            pass
+        out["device"] = engine.device
+        print(f"{name}: loaded {args.model_dir} on {engine.device} in "
+              f"{time.perf_counter() - t:.1f}s", file=sys.stderr)
+        cfg = replace(base, scheduler=sched)
+        async with run_server(cfg, engine, load=False) as app:
+            await app.start_serving()
+            url = f"ws://127.0.0.1:{bound_port(app)}{cfg.ws_path}"
+            for streams in sorted({1, args.streams}):
+                with RssSampler() as rss:
+                    results, wall = await run_load(url, streams, args.text)
+                row = LoadResult(name, streams, results, wall, rss.peak / 2**20).row()
+                out["runs"][f"{name}@{streams}"] = row
+                print(f"{name:>17} streams={streams}: " + ", ".join(
+                    f"{k}={v:.3f}" for k, v in row.items()), file=sys.stderr)
+    r = out["runs"]
+    n = args.streams
+    stock_n = r[f"stock-serialized@{n}"]
+    out["throughput_ratio"] = r[f"rtts@{n}"]["throughput"] / stock_n["throughput"]
+    out["ttfa1_ratio"] = r["rtts@1"]["ttfa_p50_s"] / r["stock-serialized@1"]["ttfa_p50_s"]
+    return out
+
+
+# -- fake mode --------------------------------------------------------------------------
+
+
+def _http_get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return str(r.read().decode())
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+async def bench_fake(args: argparse.Namespace) -> dict[str, Any]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 2 * (args.idle + args.streams) + 256
+    if soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
+    port = args.port
+    cmd = [sys.executable, "-m", "rtts", "--log-level", "WARNING", "serve", "--engine", "fake",
+           "--port", str(port), "--fake-rtf", str(args.fake_rtf), "--max-queue", "100000",
+           "--max-batch-size", "64"]
+    server = await asyncio.create_subprocess_exec(
+        *cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(_http_get, base + "/readyz")
+                break
+            await asyncio.sleep(0.1)
+        url = f"ws://127.0.0.1:{port}/v1/stream"
+        proc = psutil.Process(server.pid)
+        t0 = time.perf_counter()
+        results, wall = await run_load(url, args.streams, args.text)
+        metrics = await asyncio.to_thread(_http_get, base + "/metrics")
+        out: dict[str, Any] = {
+            "streams": args.streams, "wall_s": wall,
+            "audio_s": sum(r.audio_s for r in results),
+            "ttfa_p50_s": statistics.median(r.ttfa_s for r in results),
+            "frame_latency_p50_ms": 1000 * _metric(
+                metrics, 'rtts_frame_latency_seconds{quantile="0.5"}'),
+            "frame_latency_p99_ms": 1000 * _metric(
+                metrics, 'rtts_frame_latency_seconds{quantile="0.99"}'),
+            "frames": _metric(metrics, "rtts_frame_latency_seconds_count"),
+            "server_rss_mb": proc.memory_info().rss / 2**20,
+        }
+        print(f"streaming: {out}", file=sys.stderr, flush=True)
+        del t0
+        if args.idle:
+            conns = []
+            for i in range(args.idle):
+                ws = await connect(url, ping_interval=None)
+                await ws.recv()
+                conns.append(ws)
+                if i % 200 == 199:
+                    await asyncio.sleep(0)
+            await asyncio.sleep(args.idle_hold)
+            alive = 0
+            for ws in conns:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(await ws.ping(), 10)
+                    alive += 1
+            out["idle_connections"] = args.idle
+            out["idle_alive_after_hold"] = alive
+            out["server_rss_mb_idle"] = proc.memory_info().rss / 2**20
+            for ws in conns:
+                await ws.close()
+        return out
+    finally:
+        server.terminate()
+        await asyncio.wait_for(server.wait(), 30)
+
+
+def add_parser(sub: Any) -> None:
+    b = sub.add_parser("bench", help="load benchmarks with real WebSocket clients")
+    bsub = b.add_subparsers(dest="bench_mode", required=True)
+    c = bsub.add_parser("chattts", help="rtts vs serialized stock ChatTTS, same run")
+    c.add_argument("--model-dir", type=Path, required=True,
+                   help="checkpoint (e.g. from `rtts model make-random --size full`)")
+    c.add_argument("--streams", type=int, default=4)
+    c.add_argument("--tokens", type=int, default=128, help="GPT steps per segment")
+    c.add_argument("--stream-tokens", type=int, default=8)
+    c.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    c.add_argument("--device", default="auto")
+    c.add_argument("--text", default=BENCH_TEXT)
+    c.add_argument("--json", type=Path, default=None, help="also write results here")
+    f = bsub.add_parser("fake", help="server overhead with the fake engine")
+    f.add_argument("--streams", type=int, default=200)
+    f.add_argument("--idle", type=int, default=1000)
+    f.add_argument("--idle-hold", type=float, default=5.0)
+    f.add_argument("--fake-rtf", type=float, default=1.0)
+    f.add_argument("--port", type=int, default=8799)
+    f.add_argument("--text", default=BENCH_TEXT + ". " + BENCH_TEXT + ".")
+    f.add_argument("--json", type=Path, default=None)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    runner = bench_chattts if args.bench_mode == "chattts" else bench_fake
+    out = asyncio.run(runner(args))
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+    return 0

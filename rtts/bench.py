@@ -3,13 +3,14 @@
 Two modes:
 
 ``rtts bench chattts --model-dir DIR``
-    Runs the same load twice in one process, one server after the other, each with its
-    own copy of the checkpoint: a serialized baseline (an unmodified ``Chat`` serving
-    stock ``Chat.infer(stream=True)`` one request at a time, as the ChatTTS example API
-    does) and rtts (cross-stream batching, early windowed decode). Prints time to first
-    audio p50/p95, aggregate audio-seconds per wall-second, RTF and peak RSS for each,
-    and the ratios. Every segment is forced to
-    ``--tokens`` GPT steps so random weights give equal work in both runs.
+    Starts two servers in one process, each with its own copy of the checkpoint: a
+    serialized baseline (an unmodified ``Chat`` serving stock ``Chat.infer(stream=True)``
+    one request at a time, as the ChatTTS example API does) and rtts (cross-stream
+    batching, early windowed decode). Their runs alternate, ``--repeat`` times per
+    stream count, so drift in machine speed hits both. Prints time to first audio
+    p50/p95, aggregate audio-seconds per wall-second, RTF and peak RSS (medians over the
+    repeats) and the ratios. Every segment is forced to ``--tokens`` GPT steps so random
+    weights give equal work in both runs.
 
 ``rtts bench fake --streams 200 --idle 1000``
     Starts ``rtts serve --engine fake`` (paced at real time) in a subprocess, runs
@@ -160,35 +161,52 @@ async def bench_chattts(args: argparse.Namespace) -> dict[str, Any]:
                         threads=args.threads, fixed_tokens=args.tokens,
                         stream_tokens=args.stream_tokens)
     base = ServerConfig(port=0, ping_interval_s=None, web_dir=None)
-    # One phase per server, in the same process and run; each loads its own model.
-    phases = [
+    setups = [
         ("stock-serialized", StockChatTTSEngine,
          SchedulerConfig(max_batch_size=1, concurrency=1, request_timeout_s=3600)),
         ("rtts", ChatTTSEngine,
          SchedulerConfig(max_batch_size=args.streams, max_wait_ms=20, request_timeout_s=3600)),
     ]
-    out: dict[str, Any] = {"tokens": args.tokens, "threads": args.threads, "runs": {}}
-    for name, engine_cls, sched in phases:
-        engine = engine_cls(ecfg)
-        t = time.perf_counter()
-        engine.load()
-        engine.warmup()
-        for _ in engine.generate([SynthRequest("warm up", SynthParams(), max_new_token=16)]):
-            pass
-        out["device"] = engine.device
-        print(f"{name}: loaded {args.model_dir} on {engine.device} in "
-              f"{time.perf_counter() - t:.1f}s", file=sys.stderr)
-        cfg = replace(base, scheduler=sched)
-        async with run_server(cfg, engine, load=False) as app:
+    out: dict[str, Any] = {"tokens": args.tokens, "threads": args.threads,
+                           "repeat": args.repeat, "model_rss_mb": {}, "runs": {}}
+    proc = psutil.Process()
+    urls: dict[str, str] = {}
+    samples: dict[str, list[dict[str, float]]] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        # Both servers stay up, each with its own copy of the model, and their runs
+        # alternate, so drift in machine speed hits both alike.
+        for name, engine_cls, sched in setups:
+            rss0 = proc.memory_info().rss
+            t = time.perf_counter()
+            engine = engine_cls(ecfg)
+            engine.load()
+            engine.warmup()
+            for _ in engine.generate([SynthRequest("warm up", SynthParams(),
+                                                   max_new_token=16)]):
+                pass
+            out["device"] = engine.device
+            out["model_rss_mb"][name] = (proc.memory_info().rss - rss0) / 2**20
+            print(f"{name}: loaded {args.model_dir} on {engine.device} in "
+                  f"{time.perf_counter() - t:.1f}s", file=sys.stderr)
+            cfg = replace(base, scheduler=sched)
+            app = await stack.enter_async_context(run_server(cfg, engine, load=False))
             await app.start_serving()
-            url = f"ws://127.0.0.1:{bound_port(app)}{cfg.ws_path}"
-            for streams in sorted({1, args.streams}):
-                with RssSampler() as rss:
-                    results, wall = await run_load(url, streams, args.text)
-                row = LoadResult(name, streams, results, wall, rss.peak / 2**20).row()
-                out["runs"][f"{name}@{streams}"] = row
-                print(f"{name:>17} streams={streams}: " + ", ".join(
-                    f"{k}={v:.3f}" for k, v in row.items()), file=sys.stderr)
+            urls[name] = f"ws://127.0.0.1:{bound_port(app)}{cfg.ws_path}"
+        for streams in sorted({1, args.streams}):
+            for rep in range(args.repeat):
+                for name, _, _ in setups:
+                    with RssSampler() as rss:
+                        results, wall = await run_load(urls[name], streams, args.text)
+                    row = LoadResult(name, streams, results, wall, rss.peak / 2**20).row()
+                    samples.setdefault(f"{name}@{streams}", []).append(row)
+                    print(f"{name:>17} streams={streams} run {rep + 1}: " + ", ".join(
+                        f"{k}={v:.3f}" for k, v in row.items()), file=sys.stderr)
+    for key, rows in samples.items():  # medians over the repeats
+        out["runs"][key] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    n = args.streams
+    out["throughput_ratio_per_pair"] = [
+        a["throughput"] / b["throughput"]
+        for a, b in zip(samples[f"rtts@{n}"], samples[f"stock-serialized@{n}"], strict=True)]
     r = out["runs"]
     n = args.streams
     stock_n = r[f"stock-serialized@{n}"]
@@ -220,7 +238,7 @@ async def bench_fake(args: argparse.Namespace) -> dict[str, Any]:
     port = args.port
     cmd = [sys.executable, "-m", "rtts", "--log-level", "WARNING", "serve", "--engine", "fake",
            "--port", str(port), "--fake-rtf", str(args.fake_rtf), "--max-queue", "100000",
-           "--max-batch-size", "64"]
+           "--max-batch-size", "256"]
     server = await asyncio.create_subprocess_exec(
         *cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
@@ -285,6 +303,7 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     c.add_argument("--device", default="auto")
     c.add_argument("--text", default=BENCH_TEXT)
+    c.add_argument("--repeat", type=int, default=2, help="alternating runs per setting")
     c.add_argument("--json", type=Path, default=None, help="also write results here")
     f = bsub.add_parser("fake", help="server overhead with the fake engine")
     f.add_argument("--streams", type=int, default=200)

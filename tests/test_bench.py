@@ -17,7 +17,7 @@ def free_port() -> int:
 
 @pytest.mark.chattts
 async def test_chattts_bench_compares_equal_work(tiny_checkpoint: Path):
-    args = argparse.Namespace(model_dir=tiny_checkpoint, streams=2, tokens=24,
+    args = argparse.Namespace(model_dir=tiny_checkpoint, streams=2, tokens=24, repeat=1,
                               stream_tokens=8, threads=2, device="cpu",
                               text="A short benchmark sentence")
     out = await bench_chattts(args)

@@ -238,7 +238,7 @@ async def bench_fake(args: argparse.Namespace) -> dict[str, Any]:
     port = args.port
     cmd = [sys.executable, "-m", "rtts", "--log-level", "WARNING", "serve", "--engine", "fake",
            "--port", str(port), "--fake-rtf", str(args.fake_rtf), "--max-queue", "100000",
-           "--max-batch-size", "256"]
+           "--max-batch-size", "64", "--concurrency", "4"]
     server = await asyncio.create_subprocess_exec(
         *cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
@@ -250,8 +250,11 @@ async def bench_fake(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(0.1)
         url = f"ws://127.0.0.1:{port}/v1/stream"
         proc = psutil.Process(server.pid)
-        t0 = time.perf_counter()
+        me = psutil.Process()
+        proc.cpu_percent(None)
+        me.cpu_percent(None)
         results, wall = await run_load(url, args.streams, args.text)
+        server_cpu, client_cpu = proc.cpu_percent(None), me.cpu_percent(None)
         metrics = await asyncio.to_thread(_http_get, base + "/metrics")
         out: dict[str, Any] = {
             "streams": args.streams, "wall_s": wall,
@@ -263,9 +266,10 @@ async def bench_fake(args: argparse.Namespace) -> dict[str, Any]:
                 metrics, 'rtts_frame_latency_seconds{quantile="0.99"}'),
             "frames": _metric(metrics, "rtts_frame_latency_seconds_count"),
             "server_rss_mb": proc.memory_info().rss / 2**20,
+            "server_cpu_percent": server_cpu,  # of one core
+            "client_cpu_percent": client_cpu,
         }
         print(f"streaming: {out}", file=sys.stderr, flush=True)
-        del t0
         if args.idle:
             conns = []
             for i in range(args.idle):

@@ -44,7 +44,7 @@ class LoadSignals:
 class GovernorConfig:
     """Thresholds per level; ``None`` ignores that signal."""
 
-    degrade_queue_depth: int | None = 16
+    degrade_queue_depth: int | None = 16  # the server scales both by max_batch_size / 4
     reject_queue_depth: int | None = 64
     degrade_rss_mb: float | None = None
     reject_rss_mb: float | None = None

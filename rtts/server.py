@@ -16,7 +16,7 @@ import time
 import urllib.parse
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,7 @@ from .errors import (
     ProtocolError,
     RttsError,
 )
-from .governor import Governor, Level, LoadSignals
+from .governor import Governor, GovernorConfig, Level, LoadSignals
 from .http import respond, static_file
 from .protocol import FrameHeader, StartMessage, pack_frame, parse_client_message
 from .scheduler import RequestStream, Scheduler
@@ -72,7 +72,7 @@ class Stats:
     frames_sent: int = 0
     audio_seconds_sent: float = 0.0
     ttfa_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
-    # engine output -> frame handed to the socket, per frame (server-added latency)
+    # engine output -> frame handed to the socket, per live frame (server-added latency)
     frame_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=20000))
 
 
@@ -92,7 +92,7 @@ class App:
         self.started_at = time.monotonic()
         self.server: Server | None = None
         self.activity = asyncio.Event()  # set when a context or connection ends (for drain)
-        self.governor = Governor(config.governor)
+        self.governor = Governor(_scaled_governor(config))
         self._sampler: asyncio.Task[None] | None = None
         self._process = psutil.Process()
 
@@ -284,6 +284,19 @@ class App:
         finally:
             self.connections.discard(conn)
             self.activity.set()
+
+
+def _scaled_governor(config: ServerConfig) -> GovernorConfig:
+    """Queue-depth thresholds are per 4 batch rows: a bigger batch absorbs a deeper queue."""
+    g = config.governor
+    scale = max(1.0, config.scheduler.max_batch_size / 4)
+    return replace(
+        g,
+        degrade_queue_depth=None if g.degrade_queue_depth is None
+        else int(g.degrade_queue_depth * scale),
+        reject_queue_depth=None if g.reject_queue_depth is None
+        else int(g.reject_queue_depth * scale),
+    )
 
 
 @dataclass(frozen=True)
@@ -549,6 +562,9 @@ class ContextPipeline:
         started = conn.session.segment_started(ctx.context_id, job.index, job.chunk)
         if started is not None:
             await conn.send(0, started.event)
+        # Frame latency (engine output -> socket) is recorded for live audio only: audio
+        # prefetched before its segment's turn is ahead of playback by design.
+        play_start = time.monotonic()
         resampler = StreamingResampler(self.app.engine.sample_rate, ctx.sample_rate)
         frame_len = max(1, ctx.sample_rate * conn.cfg.frame_ms // 1000)
         seq = 0
@@ -570,7 +586,8 @@ class ContextPipeline:
         try:
             async for samples in stream:
                 self._submit_ahead()
-                await emit(resampler.process(samples), stream.produced_at)
+                live = stream.produced_at if stream.produced_at >= play_start else 0.0
+                await emit(resampler.process(samples), live)
             await emit(resampler.flush(), 0.0)
         except RttsError as exc:
             stats.segment_errors += 1
@@ -603,6 +620,9 @@ async def run_server(config: ServerConfig, engine: Engine | None = None,
         process_request=app.process_request,
         max_size=config.max_message_bytes,
         max_queue=16,
+        # permessage-deflate on PCM costs ~200 us a frame (measured) and saves little;
+        # events are tiny. Off.
+        compression=None,
         write_limit=256 * 1024,
         ping_interval=config.ping_interval_s,
         close_timeout=config.close_timeout_s,

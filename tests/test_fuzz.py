@@ -1,0 +1,163 @@
+"""Fuzzing: the session state machine (hypothesis) and the socket layer (random abuse).
+
+Invariants: nothing but ProtocolError escapes the session; segment numbers are dense per
+context; ``done`` comes once, after every segment of an ended context; the server keeps
+serving other clients and leaks no connection, queued request or running batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from helpers import client, server
+from rtts.engines.fake import FakeEngine
+from rtts.errors import ProtocolError
+from rtts.protocol import parse_client_message
+from rtts.session import SendEvent, Session, SessionLimits, Synthesize
+
+CIDS = ["a", "b", "c", "default"]
+
+message = st.one_of(
+    st.builds(lambda c, sch: {"type": "start", "context_id": c, "chunk_schedule": sch},
+              st.sampled_from(CIDS), st.lists(st.integers(1, 30), min_size=1, max_size=3)),
+    st.builds(lambda c, t: {"type": "text", "context_id": c, "text": t},
+              st.sampled_from(CIDS), st.text(alphabet="ab .,!?。，你好\n1", max_size=40)),
+    st.builds(lambda c: {"type": "flush", "context_id": c}, st.sampled_from(CIDS)),
+    st.builds(lambda c: {"type": "cancel", "context_id": c}, st.sampled_from(CIDS)),
+    st.builds(lambda c: {"type": "end", "context_id": c}, st.sampled_from(CIDS)),
+    st.just({"type": "nonsense"}),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(message, st.booleans()), max_size=60))
+def test_session_state_machine_invariants(steps):
+    s = Session(SessionLimits(max_contexts=3, max_text_chars_per_context=200))
+    queued: dict[str, list[int]] = {}  # live segments per context id
+    done: list[str] = []
+    starts: dict[str, int] = {}
+    now = 0.0
+    for msg, finish_audio in steps:
+        now += 0.5
+        try:
+            actions = s.receive(parse_client_message(json.dumps(msg)), now=now)
+        except ProtocolError:
+            continue
+        if msg["type"] in ("start", "cancel"):
+            queued[msg["context_id"]] = []
+        if msg["type"] == "start":
+            starts[msg["context_id"]] = starts.get(msg["context_id"], 0) + 1
+        actions += s.poll(now)
+        for a in actions:
+            if isinstance(a, Synthesize):
+                seen = queued.setdefault(a.context_id, [])
+                assert a.index == (seen[-1] + 1 if seen else 0)  # dense numbering
+                seen.append(a.index)
+                assert a.chunk.text.strip()
+            elif isinstance(a, SendEvent) and a.event["type"] == "done":
+                done.append(a.event["context_id"])
+        assert len(s.contexts) <= 3
+        if finish_audio:  # the audio of every queued segment arrives
+            for cid, segs in list(queued.items()):
+                ctx = s.contexts.get(cid)
+                if ctx is None:
+                    continue
+                while ctx.segments_done < ctx.segments_queued:
+                    i = ctx.segments_done
+                    for a in s.segment_done(cid, i, _chunk(), 100, 1):
+                        if isinstance(a, SendEvent) and a.event["type"] == "done":
+                            done.append(cid)
+                            assert a.event["segments"] == len(segs)
+    for cid in set(done):  # `done` at most once per context lifetime
+        assert done.count(cid) <= starts[cid]
+    for cid, ctx in s.contexts.items():
+        assert ctx.segments_done <= ctx.segments_queued, cid
+
+
+def _chunk():
+    from rtts.segmenter import Chunk
+
+    return Chunk("x", 0, 1)
+
+
+async def test_socket_fuzz_leaves_server_healthy():
+    engine = FakeEngine(ms_per_char=5)
+    tried = 0
+    async with server(engine=engine) as (app, url):
+
+        async def abuser(seed: int) -> int:
+            r = random.Random(seed)
+            n = 0
+            try:
+                async with connect(url, max_size=None, ping_interval=None) as ws:
+                    await ws.recv()
+                    for _ in range(r.randint(5, 40)):
+                        n += 1
+                        kind = r.random()
+                        if kind < 0.15:
+                            await ws.send(bytes(r.getrandbits(8) for _ in range(r.randint(0, 64))))
+                        elif kind < 0.3:
+                            await ws.send("".join(chr(r.randint(32, 0x2FFF))
+                                                  for _ in range(r.randint(0, 50))))
+                        elif kind < 0.45:  # a flood of one-character text messages
+                            cid = r.choice(CIDS)
+                            await ws.send(json.dumps({"type": "start", "context_id": cid}))
+                            for ch in "Hello, flood. " * r.randint(1, 5):
+                                await ws.send(json.dumps({"type": "text", "context_id": cid,
+                                                          "text": ch}))
+                                n += 1
+                        elif kind < 0.6:  # cancel storm
+                            for _ in range(r.randint(1, 20)):
+                                await ws.send(json.dumps({"type": "cancel",
+                                                          "context_id": r.choice(CIDS)}))
+                                n += 1
+                        elif kind < 0.7:  # oversize message (server closes 1009)
+                            await ws.send("x" * (300 * 1024))
+                        elif kind < 0.8:  # abrupt disconnect mid-stream
+                            await ws.send(json.dumps({"type": "start", "context_id": "z"}))
+                            await ws.send(json.dumps({"type": "text", "context_id": "z",
+                                                      "text": "cut me off. " * 5}))
+                            ws.transport.abort()
+                            return n
+                        else:
+                            await ws.send(json.dumps(rng_message(r)))
+                        if r.random() < 0.3:
+                            await asyncio.sleep(0)
+            except ConnectionClosed:
+                pass
+            return n
+
+        for round_ in range(4):
+            counts = await asyncio.gather(*(abuser(round_ * 100 + i) for i in range(25)))
+            tried += sum(counts)
+        # a well-behaved client is still served, fully
+        async with client(url) as c:
+            await c.send(type="start", context_id="good")
+            await c.send(type="text", context_id="good", text="Still here after the storm.")
+            await c.send(type="end", context_id="good")
+            assert (await c.until("done", "good"))["segments"] == 1
+        for _ in range(100):  # everything the abusers started winds down
+            if not app.connections and app.scheduler.running_batches == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert not app.connections
+        assert app.scheduler.running_batches == 0
+        assert app.scheduler.queue_depth == 0
+    print(f"socket fuzz: {tried} abusive inputs over 100 connections")
+    assert tried > 500
+
+
+def rng_message(r: random.Random) -> dict[str, object]:
+    kinds = ["start", "text", "flush", "cancel", "end", "bogus"]
+    msg: dict[str, object] = {"type": r.choice(kinds), "context_id": r.choice(CIDS + ["!!"])}
+    for key in ("text", "temperature", "sample_rate", "top_K", "voice", "speed"):
+        if r.random() < 0.3:
+            msg[key] = r.choice([None, -1, 0, 1.5, "x", [], {}, 10**9, "seed:1", 16000])
+    return msg

@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--request-timeout", type=float, default=SchedulerConfig.request_timeout_s)
     s.add_argument("--max-contexts", type=int, default=SessionLimits.max_contexts)
     s.add_argument("--max-message-bytes", type=int, default=ServerConfig.max_message_bytes)
+    s.add_argument("--max-lead", type=float, default=ServerConfig.max_lead_s,
+                   help="seconds of audio sent ahead of estimated playback (0 = no pacing)")
     s.add_argument("--shutdown-grace", type=float, default=ServerConfig.shutdown_grace_s)
     s.add_argument("--web-dir", type=Path, default=None)
     s.add_argument("--fake-rtf", type=float, default=0.0, help="fake engine: pace (0 = fast)")
@@ -74,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host, port=args.port,
         max_message_bytes=args.max_message_bytes,
         shutdown_grace_s=args.shutdown_grace,
+        max_lead_s=args.max_lead or None,
         web_dir=args.web_dir or base.web_dir,
         engine=EngineConfig(
             name=args.engine, source=args.source, model_dir=args.model_dir,

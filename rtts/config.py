@@ -61,6 +61,7 @@ class ServerConfig:
     slow_client_timeout_s: float = 10.0  # waiting that long for queue space closes 4008
     frame_ms: int = 100  # audio per binary frame, at most
     lookahead_segments: int = 2  # segments of one context submitted ahead of playback
+    max_lead_s: float | None = 2.0  # audio sent ahead of estimated playback; None = no pacing
     shutdown_grace_s: float = 10.0
     close_timeout_s: float = 2.0  # wait this long for the client's close frame, then drop
     ping_interval_s: float | None = 20.0

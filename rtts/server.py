@@ -42,6 +42,7 @@ from .errors import (
 )
 from .governor import Governor, GovernorConfig, Level, LoadSignals
 from .http import respond, static_file
+from .pacing import LeadPacer
 from .protocol import FrameHeader, StartMessage, pack_frame, parse_client_message
 from .scheduler import RequestStream, Scheduler
 from .segmenter import Segmenter
@@ -509,6 +510,7 @@ class ContextPipeline:
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
         self.first_audio_sent = False
+        self.pacer = LeadPacer(conn.cfg.max_lead_s)
 
     def add(self, job: Synthesize) -> None:
         self.pending.append(job)
@@ -574,11 +576,17 @@ class ContextPipeline:
             nonlocal seq, total
             for i in range(0, len(samples), frame_len):
                 piece = samples[i:i + frame_len]
+                wait = self.pacer.delay(time.monotonic())
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                    if produced_at:  # pacing is not latency: count from the end of the wait
+                        produced_at = time.monotonic()
                 header = FrameHeader(ctx.stream, job.index, seq)
                 await conn.send(ctx.stream, pack_frame(header, float_to_pcm16(piece)),
                                 produced_at)
                 seq += 1
                 total += len(piece)
+                self.pacer.sent(len(piece) / ctx.sample_rate, time.monotonic())
                 if not self.first_audio_sent:
                     self.first_audio_sent = True
                     stats.ttfa_s.append(time.monotonic() - stream.submitted_at)

@@ -96,7 +96,7 @@ async def test_server_degrades_rejects_and_recovers():
 
 async def test_degraded_sessions_get_shorter_segments():
     cfg = base_config()
-    async with server(cfg) as (app, url), client(url) as c:
+    async with server(cfg, FakeEngine(ms_per_char=5)) as (app, url), client(url) as c:
         from rtts.governor import Level
 
         app.governor.level = Level.DEGRADED

@@ -304,6 +304,7 @@ async def test_shutdown_deadline_cancels_what_is_left():
 async def test_non_reading_client_is_paced_then_dropped_4008():
     engine = FakeEngine(ms_per_char=100)
     cfg = replace(base_config(), send_queue_frames=4, slow_client_timeout_s=0.5,
+                  max_lead_s=None,  # no pacing: the server tries to send it all at once
                   scheduler=SchedulerConfig(max_wait_ms=1))
     async with server(cfg, engine) as (app, url):
         async with connect(url, max_size=None, max_queue=1) as ws:
@@ -378,3 +379,22 @@ async def test_metrics_after_traffic():
         assert values["rtts_cancels_total"] == 1
         assert values["rtts_audio_seconds_generated_total"] > 0
         assert values["rtts_degraded"] == 0
+
+
+@pytest.mark.parametrize("lead,paced", [(0.5, True), (None, False)])
+async def test_output_is_paced_to_a_bounded_lead(lead, paced):
+    engine = FakeEngine(ms_per_char=100)  # 2 s of audio, produced instantly
+    cfg = replace(base_config(), max_lead_s=lead)
+    async with server(cfg, engine) as (app, url), client(url) as c:
+        loop = asyncio.get_running_loop()
+        await c.send(type="start")
+        await c.send(type="text", text="z" * 19 + ".")
+        await c.send(type="end")
+        await c.until("segment_started")
+        t0 = loop.time()
+        await c.until("done")
+        elapsed = loop.time() - t0
+        if paced:  # 2 s of audio with 0.5 s of lead: at least ~1.5 s of wall time
+            assert elapsed >= 1.3, elapsed
+        else:
+            assert elapsed < 1.0, elapsed

@@ -134,9 +134,16 @@ async def one_stream(url: str, text: str, index: int, pieces: int = 1) -> Stream
         return StreamResult(first or 0.0, samples / rate, time.perf_counter() - t0)
 
 
-async def run_load(url: str, streams: int, text: str) -> tuple[list[StreamResult], float]:
+async def run_load(url: str, streams: int, text: str,
+                   ramp_s: float = 0.0) -> tuple[list[StreamResult], float]:
+    """Run ``streams`` sessions at once; with ``ramp_s``, their starts spread evenly."""
+
+    async def start(i: int) -> StreamResult:
+        await asyncio.sleep(ramp_s * i / max(1, streams))
+        return await one_stream(url, text, i)
+
     t0 = time.perf_counter()
-    results = await asyncio.gather(*(one_stream(url, text, i) for i in range(streams)))
+    results = await asyncio.gather(*(start(i) for i in range(streams)))
     return list(results), time.perf_counter() - t0
 
 
@@ -238,7 +245,7 @@ async def bench_fake(args: argparse.Namespace) -> dict[str, Any]:
     port = args.port
     cmd = [sys.executable, "-m", "rtts", "--log-level", "WARNING", "serve", "--engine", "fake",
            "--port", str(port), "--fake-rtf", str(args.fake_rtf), "--max-queue", "100000",
-           "--max-batch-size", "64", "--concurrency", "4"]
+           "--max-batch-size", "64", "--concurrency", "4", "--max-lead", str(args.max_lead)]
     server = await asyncio.create_subprocess_exec(
         *cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
@@ -253,7 +260,7 @@ async def bench_fake(args: argparse.Namespace) -> dict[str, Any]:
         me = psutil.Process()
         proc.cpu_percent(None)
         me.cpu_percent(None)
-        results, wall = await run_load(url, args.streams, args.text)
+        results, wall = await run_load(url, args.streams, args.text, args.ramp)
         server_cpu, client_cpu = proc.cpu_percent(None), me.cpu_percent(None)
         metrics = await asyncio.to_thread(_http_get, base + "/metrics")
         out: dict[str, Any] = {
@@ -315,6 +322,9 @@ def add_parser(sub: Any) -> None:
     f.add_argument("--idle-hold", type=float, default=5.0)
     f.add_argument("--fake-rtf", type=float, default=1.0)
     f.add_argument("--port", type=int, default=8799)
+    f.add_argument("--max-lead", type=float, default=2.0, help="the server's --max-lead")
+    f.add_argument("--ramp", type=float, default=0.0,
+                   help="spread session starts over this many seconds")
     f.add_argument("--text", default=BENCH_TEXT + ". " + BENCH_TEXT + ".")
     f.add_argument("--json", type=Path, default=None)
 

@@ -31,8 +31,8 @@ async def test_chattts_bench_compares_equal_work(tiny_checkpoint: Path):
 
 
 async def test_fake_bench_streams_and_holds_idle_connections():
-    args = argparse.Namespace(streams=10, idle=50, idle_hold=0.2, fake_rtf=0.2,
-                              port=free_port(), text="Ten streams at once. Then idle.")
+    args = argparse.Namespace(streams=10, idle=50, idle_hold=0.2, fake_rtf=0.2, max_lead=2.0,
+                              ramp=0.1, port=free_port(), text="Ten streams at once. Then idle.")
     out = await bench_fake(args)
     assert out["streams"] == 10 and out["audio_s"] > 0
     assert out["frames"] > 0 and out["frame_latency_p99_ms"] >= out["frame_latency_p50_ms"]

@@ -11,6 +11,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from .auth import AuthConfig
 from .config import EngineConfig, ServerConfig
 from .scheduler import SchedulerConfig
 from .session import SessionLimits
@@ -51,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of audio sent ahead of estimated playback (0 = no pacing)")
     s.add_argument("--shutdown-grace", type=float, default=ServerConfig.shutdown_grace_s)
     s.add_argument("--web-dir", type=Path, default=None)
+    s.add_argument("--api-key", action="append", default=[],
+                   help="require this key (repeatable; also RTTS_API_KEYS=k1,k2)")
+    s.add_argument("--allowed-origin", action="append", default=[],
+                   help="browser Origin allowed to connect (repeatable; default any)")
+    s.add_argument("--token-ttl", type=int, default=300, help="browser token lifetime, s")
+    s.add_argument("--max-sessions-per-key", type=int, default=None)
+    s.add_argument("--sessions-per-minute", type=int, default=None,
+                   help="new sessions a minute per key")
     s.add_argument("--fake-rtf", type=float, default=0.0, help="fake engine: pace (0 = fast)")
 
     m = sub.add_parser("model", help="model utilities")
@@ -90,6 +99,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             request_timeout_s=args.request_timeout,
         ),
         limits=replace(base.limits, max_contexts=args.max_contexts),
+        auth=AuthConfig(
+            api_keys=tuple(args.api_key) + AuthConfig.keys_from_env(),
+            token_ttl_s=args.token_ttl, allowed_origins=tuple(args.allowed_origin),
+            max_sessions_per_key=args.max_sessions_per_key,
+            sessions_per_minute=args.sessions_per_minute,
+        ),
     )
 
 

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .auth import AuthConfig
 from .governor import GovernorConfig
 from .scheduler import SchedulerConfig
 from .session import SessionLimits
@@ -69,6 +70,7 @@ class ServerConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     limits: SessionLimits = field(default_factory=SessionLimits)
     governor: GovernorConfig = field(default_factory=GovernorConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
 
 def _web_dir() -> Path | None:

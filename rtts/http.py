@@ -10,9 +10,9 @@ from websockets.http11 import Response
 
 __all__ = ["respond", "static_file"]
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            413: "Payload Too Large", 500: "Internal Server Error",
-            503: "Service Unavailable"}
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
+            404: "Not Found", 405: "Method Not Allowed", 413: "Payload Too Large",
+            429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable"}
 
 
 def respond(status: int, body: bytes | str, content_type: str = "text/plain; charset=utf-8",

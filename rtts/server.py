@@ -28,6 +28,7 @@ from websockets.http11 import Request, Response
 
 from . import __version__
 from .audio import StreamingResampler, float_to_pcm16, wav_bytes
+from .auth import Authenticator, AuthError
 from .config import ServerConfig
 from .engines import build_engine
 from .engines.base import Engine, SynthRequest
@@ -70,6 +71,7 @@ class Stats:
     cancels: int = 0
     protocol_errors: int = 0
     rejected: int = 0
+    auth_rejected: int = 0
     frames_sent: int = 0
     audio_seconds_sent: float = 0.0
     ttfa_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
@@ -96,6 +98,8 @@ class App:
         self.governor = Governor(_scaled_governor(config))
         self._sampler: asyncio.Task[None] | None = None
         self._process = psutil.Process()
+        self.auth = Authenticator(config.auth)
+        self._principals: dict[int, str] = {}  # connection id -> key id, handshake to handler
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -205,7 +209,23 @@ class App:
                                extra=[("Retry-After", "1")])
             if len(self.connections) >= self.config.max_connections:
                 return respond(503, "too many connections\n", extra=[("Retry-After", "1")])
+            query = urllib.parse.parse_qs(urllib.parse.urlsplit(request.path).query)
+            try:
+                self.auth.check_origin(request.headers.get("Origin"))
+                token = query["token"][0] if query.get("token") else None
+                kid = self.auth.identify(request.headers.get("Authorization"), token,
+                                         time.time())
+                self.auth.admit(kid, time.monotonic())
+            except AuthError as exc:
+                self.stats.auth_rejected += 1
+                extra = [("Retry-After", "10")] if exc.status == 429 else []
+                if exc.status == 401:
+                    extra.append(("WWW-Authenticate", "Bearer"))
+                return respond(exc.status, f"{exc.reason}\n", extra=extra)
+            self._principals[id(connection)] = kid
             return None
+        if path == "/v1/token":
+            return self._token(request)
         if path == "/healthz":
             return respond(200, "ok\n")
         if path == "/readyz":
@@ -221,6 +241,18 @@ class App:
             return await self._tts(request)
         resp = static_file(self.config.web_dir, path)
         return resp or respond(404, "not found\n")
+
+    def _token(self, request: Request) -> Response:
+        """``GET /v1/token`` with ``Authorization: Bearer <key>``: a short-lived browser token."""
+        if not self.auth.enabled:
+            return respond(404, "auth is off: no token needed\n")
+        kid = self.auth.key_from_header(request.headers.get("Authorization"))
+        if kid is None:
+            return respond(401, "missing or invalid API key\n",
+                           extra=[("WWW-Authenticate", "Bearer")])
+        body = {"token": self.auth.issue_token(kid, time.time()),
+                "expires_in": self.auth.config.token_ttl_s}
+        return respond(200, orjson.dumps(body), "application/json")
 
     def info(self) -> dict[str, Any]:
         return {"server": "rtts", "version": __version__, "engine": self.engine.name,
@@ -268,6 +300,13 @@ class App:
     # -- WebSocket -----------------------------------------------------------------------
 
     async def handle(self, ws: ServerConnection) -> None:
+        kid = self._principals.pop(id(ws), "anonymous")
+        try:
+            await self._handle(ws)
+        finally:
+            self.auth.release(kid)
+
+    async def _handle(self, ws: ServerConnection) -> None:
         if self.rejecting:
             self.stats.rejected += 1
             with contextlib.suppress(ConnectionClosed):

@@ -35,6 +35,8 @@ export { parseFrame, buildFrame, pcm16ToFloat32 } from "./protocol.js";
  * @property {{retries?: number, baseDelayMs?: number, maxDelayMs?: number}} [reconnect]
  * @property {typeof WebSocket} [WebSocket] WebSocket implementation (Node, tests)
  * @property {SpeakOptions} [defaults]      params applied to every speak()
+ * @property {string | (() => Promise<string>)} [token] short-lived browser token from your
+ *   backend (GET /v1/token with the API key); a function is called before each (re)connect
  */
 
 let contextCounter = 0;
@@ -140,10 +142,14 @@ export class RttsClient extends EventTarget {
     await this._connectOnce();
   }
 
-  _connectOnce() {
+  async _connectOnce() {
     this.state = this._attempt ? "reconnecting" : "connecting";
+    let url = this.url;
+    const token = typeof this.options.token === "function"
+      ? await this.options.token() : this.options.token;
+    if (token) url += (url.includes("?") ? "&" : "?") + `token=${encodeURIComponent(token)}`;
     return new Promise((resolve, reject) => {
-      const ws = new this.WebSocketImpl(this.url);
+      const ws = new this.WebSocketImpl(url);
       ws.binaryType = "arraybuffer";
       this.ws = ws;
       let ready = false;

@@ -197,6 +197,11 @@ export type ConnectOptions = {
      * params applied to every speak()
      */
     defaults?: SpeakOptions;
+    /**
+     * short-lived browser token from your
+     * backend (GET /v1/token with the API key); a function is called before each (re)connect
+     */
+    token?: string | (() => Promise<string>);
 };
 import { PcmPlayer } from "./pcm-player.js";
 export { parseFrame, buildFrame, pcm16ToFloat32 } from "./protocol.js";

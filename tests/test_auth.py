@@ -7,11 +7,11 @@ import urllib.request
 from dataclasses import replace
 
 import pytest
-from helpers import base_config, server
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from rtts.auth import AuthConfig, AuthError, Authenticator
+from helpers import base_config, server
+from rtts.auth import AuthConfig, Authenticator, AuthError
 from rtts.server import bound_port
 
 KEY = "sk-test-123"

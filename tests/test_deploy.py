@@ -1,0 +1,39 @@
+"""The Kubernetes manifests agree with the server they deploy (paths, port, drain, metric)."""
+
+from pathlib import Path
+
+import yaml
+
+from rtts.cli import build_parser, config_from_args
+from rtts.config import ServerConfig
+from rtts.engines.fake import FakeEngine
+from rtts.metrics import render_metrics
+from rtts.server import App
+
+MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "k8s" / "rtts.yaml"
+
+
+def docs() -> dict[str, dict]:
+    return {d["kind"]: d for d in yaml.safe_load_all(MANIFEST.read_text())}
+
+
+def test_probes_port_and_drain_match_the_server():
+    dep = docs()["Deployment"]["spec"]["template"]["spec"]
+    c = dep["containers"][0]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    args = build_parser().parse_args(c["args"])
+    cfg = config_from_args(args)
+    assert cfg.port == c["ports"][0]["containerPort"] and cfg.host == "0.0.0.0"
+    # SIGTERM arrives after preStop; the drain must finish inside the grace period
+    pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
+    assert pre_stop + cfg.shutdown_grace_s + cfg.close_timeout_s < dep[
+        "terminationGracePeriodSeconds"]
+
+
+async def test_hpa_metric_is_exported():
+    metric = docs()["HorizontalPodAutoscaler"]["spec"]["metrics"][0]["pods"]["metric"]["name"]
+    app = App(ServerConfig(), FakeEngine())
+    names = {line.split("{")[0].split(" ")[0] for line in render_metrics(app).splitlines()
+             if line and not line.startswith("#")}
+    assert metric in names

@@ -254,6 +254,15 @@ class App:
                 "expires_in": self.auth.config.token_ttl_s}
         return respond(200, orjson.dumps(body), "application/json")
 
+    def validate_params(self, msg: StartMessage) -> None:
+        """Reject params the engine cannot use (e.g. a malformed voice) before queueing."""
+        validate = getattr(self.engine, "validate", None)
+        if validate is not None:
+            try:
+                validate(msg.params)
+            except ValueError as exc:
+                raise ProtocolError(str(exc), code=ErrorCode.INVALID_PARAMS) from None
+
     def info(self) -> dict[str, Any]:
         return {"server": "rtts", "version": __version__, "engine": self.engine.name,
                 "device": self.engine.device, "engine_sample_rate": self.engine.sample_rate,
@@ -279,9 +288,10 @@ class App:
                     start[key] = float(value[0])
         try:
             msg = parse_client_message(orjson.dumps(start))
+            assert isinstance(msg, StartMessage)
+            self.validate_params(msg)
         except ProtocolError as exc:
             return respond(400, f"{exc.message}\n")
-        assert hasattr(msg, "params") and hasattr(msg, "sample_rate")
         seg = Segmenter(max_chars=self.config.limits.default_max_chunk_chars)
         chunks = seg.push(text) + seg.flush()
         parts: list[np.ndarray] = []
@@ -469,12 +479,7 @@ class Connection:
         if self.app.rejecting:
             self.app.stats.rejected += 1
             raise ProtocolError("server overloaded; retry later", code=ErrorCode.OVERLOADED)
-        validate = getattr(self.app.engine, "validate", None)
-        if validate is not None:
-            try:
-                validate(msg.params)
-            except ValueError as exc:
-                raise ProtocolError(str(exc), code=ErrorCode.INVALID_PARAMS) from None
+        self.app.validate_params(msg)
 
     def notify(self, event: dict[str, Any]) -> None:
         """Queue an event without waiting (server-state broadcasts); dropped if full."""

@@ -241,7 +241,8 @@ class ChatTTSEngine:
         num_code = chat.config.gpt.num_audio_tokens - 1
         warpers, processors = gen_logits(num_code=num_code, top_P=params.top_P,
                                          top_K=params.top_K, repetition_penalty=1.05)
-        max_new = max(self._max_tokens(r) for r in batch)
+        limits = [self._max_tokens(r) for r in batch]
+        max_new = max(limits)
         gpt_stream = chat.gpt.generate(
             emb, input_ids,
             temperature=torch.tensor([params.temperature] * num_vq, device=chat.device),
@@ -256,7 +257,6 @@ class ChatTTSEngine:
         n = len(batch)
         emitted = [0] * n  # tokens already turned into audio, per row
         done = [False] * n
-        limits = [self._max_tokens(r) for r in batch]
         last: list[Any] = []
         try:
             for result in gpt_stream:
@@ -264,13 +264,15 @@ class ChatTTSEngine:
                 lens = [int(h.size(0)) for h in last]
                 longest = max(lens) if lens else 0
                 finished = [lens[i] < longest or lens[i] >= limits[i] for i in range(n)]
-                yield from self._decode_rows(batch, last, emitted, done, finished, lens)
+                yield from self._decode_rows(batch, last, emitted, done, finished, lens,
+                                             limits)
                 if all(done):
                     return  # every row hit its own limit: stop the GPT early
             # The generator's last yield is complete: everything left is final.
             if last:
                 lens = [int(h.size(0)) for h in last]
-                yield from self._decode_rows(batch, last, emitted, done, [True] * n, lens)
+                yield from self._decode_rows(batch, last, emitted, done, [True] * n, lens,
+                                             limits)
             for row in range(n):
                 if not done[row]:
                     done[row] = True
@@ -280,13 +282,13 @@ class ChatTTSEngine:
 
     def _decode_rows(self, batch: Sequence[SynthRequest], hiddens: list[Any],
                      emitted: list[int], done: list[bool], final: list[bool],
-                     lens: list[int]) -> Iterator[EngineOutput]:
+                     lens: list[int], limits: list[int]) -> Iterator[EngineOutput]:
         cfg = self.config
         rows, windows, spans = [], [], []
         for row, h in enumerate(hiddens):
             if done[row] or batch[row].cancelled.is_set():
                 continue
-            end = min(lens[row], self._max_tokens(batch[row]))
+            end = min(lens[row], limits[row])
             target = end if final[row] else end - cfg.decode_lookahead
             # Decode sizes grow geometrically (first audio early, then the buffer the
             # client holds doubles) up to decode_tokens: fewer, larger decodes.

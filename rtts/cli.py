@@ -6,12 +6,14 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 from .auth import AuthConfig
+from .cache import CacheConfig
 from .config import EngineConfig, ServerConfig
 from .scheduler import SchedulerConfig
 from .session import SessionLimits
@@ -60,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-sessions-per-key", type=int, default=None)
     s.add_argument("--sessions-per-minute", type=int, default=None,
                    help="new sessions a minute per key")
+    s.add_argument("--cache-mb", type=float, default=CacheConfig.memory_mb,
+                   help="in-process phrase cache size; 0 = off")
+    s.add_argument("--cache-redis", default=os.environ.get("RTTS_CACHE_REDIS"),
+                   help="redis://host:port/db: phrase cache shared by instances")
+    s.add_argument("--cache-ttl", type=int, default=CacheConfig.redis_ttl_s,
+                   help="Redis entry lifetime, s")
+    s.add_argument("--instance-id", default=None,
+                   help="name of this replica in ready events and /v1/info")
     s.add_argument("--fake-rtf", type=float, default=0.0, help="fake engine: pace (0 = fast)")
 
     m = sub.add_parser("model", help="model utilities")
@@ -99,6 +109,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             request_timeout_s=args.request_timeout,
         ),
         limits=replace(base.limits, max_contexts=args.max_contexts),
+        instance_id=args.instance_id or base.instance_id,
+        cache=replace(base.cache, memory_mb=args.cache_mb, redis_url=args.cache_redis or None,
+                      redis_ttl_s=args.cache_ttl),
         auth=AuthConfig(
             api_keys=tuple(args.api_key) + AuthConfig.keys_from_env(),
             token_ttl_s=args.token_ttl, allowed_origins=tuple(args.allowed_origin),

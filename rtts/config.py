@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .auth import AuthConfig
+from .cache import CacheConfig
 from .governor import GovernorConfig
 from .scheduler import SchedulerConfig
 from .session import SessionLimits
@@ -66,11 +68,18 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0
     close_timeout_s: float = 2.0  # wait this long for the client's close frame, then drop
     ping_interval_s: float | None = 20.0
+    instance_id: str = field(default_factory=lambda: _instance_id())
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     limits: SessionLimits = field(default_factory=SessionLimits)
     governor: GovernorConfig = field(default_factory=GovernorConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+
+def _instance_id() -> str:
+    """Names this process in ``ready`` events and ``/v1/info`` (which replica served)."""
+    return os.environ.get("RTTS_INSTANCE_ID") or f"{socket.gethostname()}-{os.getpid()}"
 
 
 def _web_dir() -> Path | None:

@@ -33,7 +33,7 @@ def _histogram(name: str, counts: Counter[int], bounds: tuple[int, ...]) -> list
 
 
 def render_metrics(app: App) -> str:
-    s, sch = app.stats, app.scheduler
+    s, sch, cs = app.stats, app.scheduler, app.cache.stats
     ttfa = list(s.ttfa_s)
     lat = list(s.frame_latency_s)
     audio_gen = sch.audio_samples / app.engine.sample_rate
@@ -79,6 +79,17 @@ def render_metrics(app: App) -> str:
         *(f"rtts_frame_latency_seconds{{quantile=\"{q}\"}} {_quantile(lat, q):.5f}"
           for q in (0.5, 0.95, 0.99)),
         f"rtts_frame_latency_seconds_count {len(lat)}",
+        "# TYPE rtts_cache_hits_total counter",
+        f'rtts_cache_hits_total{{tier="memory"}} {cs.hits_memory}',
+        f'rtts_cache_hits_total{{tier="redis"}} {cs.hits_redis}',
+        "# TYPE rtts_cache_misses_total counter", f"rtts_cache_misses_total {cs.misses}",
+        "# TYPE rtts_cache_stores_total counter", f"rtts_cache_stores_total {cs.stores}",
+        "# TYPE rtts_cache_errors_total counter", f"rtts_cache_errors_total {cs.errors}",
+        "# TYPE rtts_cache_dropped_writes_total counter",
+        f"rtts_cache_dropped_writes_total {cs.dropped_writes}",
+        "# TYPE rtts_cache_memory_bytes gauge", f"rtts_cache_memory_bytes {app.cache.memory.bytes}",
+        "# TYPE rtts_cache_memory_entries gauge",
+        f"rtts_cache_memory_entries {len(app.cache.memory)}",
         "# TYPE rtts_process_rss_bytes gauge",
         f"rtts_process_rss_bytes {psutil.Process().memory_info().rss}",
     ]

@@ -4,7 +4,8 @@ Client -> server messages are JSON objects in text frames, each with a ``type``:
 
 ``start``   open a context: ``context_id``, ``voice``, ``seed``, ``temperature``, ``top_P``,
             ``top_K``, ``speed``, ``refine``, ``format``, ``sample_rate``, ``chunk_schedule``,
-            ``max_chunk_chars``, ``idle_flush_ms``
+            ``max_chunk_chars``, ``idle_flush_ms``, ``cache`` (false: never use the
+            phrase cache for this context)
 ``text``    ``context_id``, ``text``: more input text (any size piece, even one character)
 ``flush``   ``context_id``: synthesize what is buffered now, without waiting for punctuation
 ``cancel``  ``context_id``: stop this context now; queued and in-flight audio is dropped
@@ -91,6 +92,7 @@ class StartMessage:
     chunk_schedule: tuple[int, ...] | None = None
     max_chunk_chars: int | None = None
     idle_flush_ms: int | None = None
+    cache: bool = True  # may this context's segments be served from / stored in the cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +201,9 @@ def _parse_start(obj: dict[str, Any]) -> StartMessage:
         ):
             raise _bad("chunk_schedule must be a list of 1-16 integers between 1 and 1000")
         schedule = tuple(schedule)
+    cache = obj.get("cache", True)
+    if not isinstance(cache, bool):
+        raise _bad("cache must be true or false")
     return StartMessage(
         context_id=_context_id(obj),
         params=_parse_params(obj),
@@ -207,6 +212,7 @@ def _parse_start(obj: dict[str, Any]) -> StartMessage:
         chunk_schedule=schedule,
         max_chunk_chars=_integer(obj, "max_chunk_chars", None, 8, 1000),
         idle_flush_ms=_integer(obj, "idle_flush_ms", None, 0, 60_000),
+        cache=cache,
     )
 
 

@@ -29,6 +29,7 @@ from websockets.http11 import Request, Response
 from . import __version__
 from .audio import StreamingResampler, float_to_pcm16, wav_bytes
 from .auth import Authenticator, AuthError
+from .cache import CachedStream, PhraseCache
 from .config import ServerConfig
 from .engines import build_engine
 from .engines.base import Engine, SynthRequest
@@ -100,6 +101,7 @@ class App:
         self._process = psutil.Process()
         self.auth = Authenticator(config.auth)
         self._principals: dict[int, str] = {}  # connection id -> key id, handshake to handler
+        self.cache = PhraseCache(config.cache, self.engine.name, self.engine.sample_rate)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -163,6 +165,9 @@ class App:
     async def start_serving(self) -> None:
         """With a loaded engine: start the scheduler and the governor; /readyz turns 200."""
         await self.scheduler.start()
+        # Known only once loaded (the weights' identity names the cache namespace).
+        self.cache.engine_id = getattr(self.engine, "identity", self.engine.name)
+        await self.cache.start()
         self._sampler = asyncio.create_task(self._sample_load(), name="rtts-governor")
         self.state, self.state_reason = "ready", "ready"
 
@@ -192,6 +197,7 @@ class App:
         if self.server is not None:
             await self.server.wait_closed()
         await self.scheduler.stop()
+        await self.cache.close()
         if self.own_engine:
             await asyncio.to_thread(self.engine.close)
         logger.info("shutdown complete")
@@ -266,7 +272,10 @@ class App:
     def info(self) -> dict[str, Any]:
         return {"server": "rtts", "version": __version__, "engine": self.engine.name,
                 "device": self.engine.device, "engine_sample_rate": self.engine.sample_rate,
-                "state": self.state, "ws_path": self.config.ws_path}
+                "state": self.state, "ws_path": self.config.ws_path,
+                "instance": self.config.instance_id,
+                "cache": {"memory_mb": self.config.cache.memory_mb,
+                          "redis": self.config.cache.redis_url is not None}}
 
     async def _tts(self, request: Request) -> Response:
         """``GET /v1/tts?text=...&voice=...&seed=...&sample_rate=...`` -> a whole WAV file."""
@@ -297,10 +306,19 @@ class App:
         parts: list[np.ndarray] = []
         try:
             for i, chunk in enumerate(chunks):
-                stream = self.scheduler.submit(SynthRequest(chunk.text, msg.params, priority=i))
                 resampler = StreamingResampler(self.engine.sample_rate, msg.sample_rate)
-                async for samples in stream:
-                    parts.append(resampler.process(samples))
+                ckey = (self.cache.key(chunk.text, msg.params, self.degraded)
+                        if self.cache.enabled else None)
+                hit = await self.cache.get(ckey) if ckey is not None else None
+                if hit is not None:
+                    parts.append(resampler.process(hit))
+                else:
+                    stream = self.scheduler.submit(SynthRequest(chunk.text, msg.params,
+                                                                priority=i))
+                    raw = [samples async for samples in stream]
+                    parts.extend(resampler.process(r) for r in raw)
+                    if ckey is not None and raw:
+                        self.cache.put(ckey, np.concatenate(raw))
                 parts.append(resampler.flush())
         except RttsError as exc:
             return respond(503 if exc.code == ErrorCode.OVERLOADED else 500, f"{exc.message}\n")
@@ -387,7 +405,7 @@ class Connection:
         try:
             await self.send(0, self.session.hello(
                 engine=self.app.engine.name, sample_rate=self.app.engine.sample_rate,
-                degraded=self.app.degraded).event)
+                degraded=self.app.degraded, instance=self.cfg.instance_id).event)
             await self._reader()
         except ConnectionClosed:
             pass
@@ -550,7 +568,8 @@ class ContextPipeline:
         self.ctx = ctx
         self.app = conn.app
         self.pending: deque[Synthesize] = deque()
-        self.inflight: deque[tuple[Synthesize, RequestStream | RttsError]] = deque()
+        # (job, its audio source or the error submitting it, its cache key or None)
+        self.inflight: deque[tuple[Synthesize, Source | RttsError, str | None]] = deque()
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
         self.first_audio_sent = False
@@ -561,51 +580,59 @@ class ContextPipeline:
         self.wakeup.set()
 
     def cancel(self) -> None:
-        for _, stream in self.inflight:
-            if isinstance(stream, RequestStream):
+        for _, stream, _ in self.inflight:
+            if not isinstance(stream, RttsError):
                 stream.cancel()
         self.inflight.clear()
         self.pending.clear()
         if self.task is not None:
             self.task.cancel()
 
-    def _submit_ahead(self) -> None:
+    async def _submit_ahead(self) -> None:
+        cache = self.app.cache
         while self.pending and len(self.inflight) < self.conn.cfg.lookahead_segments:
             job = self.pending.popleft()
+            degraded = self.app.degraded
+            key = (cache.key(job.chunk.text, self.ctx.params, degraded)
+                   if cache.enabled and self.ctx.cache else None)
+            if key is not None and (hit := await cache.get(key)) is not None:
+                self.inflight.append((job, CachedStream(hit), None))
+                continue
             request = SynthRequest(job.chunk.text, self.ctx.params,
-                                   priority=0 if job.index == 0 else 1,
-                                   degraded=self.app.degraded)
+                                   priority=0 if job.index == 0 else 1, degraded=degraded)
             try:
-                self.inflight.append((job, self.app.scheduler.submit(request)))
+                self.inflight.append((job, self.app.scheduler.submit(request), key))
             except RttsError as exc:
-                self.inflight.append((job, exc))
+                self.inflight.append((job, exc, None))
 
     async def run(self) -> None:
         try:
             while True:
-                self._submit_ahead()
+                await self._submit_ahead()
                 if not self.inflight:
                     if self.ctx.context_id not in self.conn.session.contexts:
                         return  # done or cancelled
                     self.wakeup.clear()
                     await self.wakeup.wait()
                     continue
-                job, stream = self.inflight[0]
-                await self._play(job, stream)
+                job, stream, key = self.inflight[0]
+                await self._play(job, stream, key)
                 self.inflight.popleft()
         finally:
-            for _, stream in self.inflight:
-                if isinstance(stream, RequestStream):
+            for _, stream, _ in self.inflight:
+                if not isinstance(stream, RttsError):
                     stream.cancel()
 
-    async def _play(self, job: Synthesize, stream: RequestStream | RttsError) -> None:
+    async def _play(self, job: Synthesize, stream: Source | RttsError,
+                    key: str | None) -> None:
         conn, ctx, stats = self.conn, self.ctx, self.app.stats
         stats.segments_total += 1
         if isinstance(stream, RttsError):
             stats.segment_errors += 1
             await conn._apply(conn.session.segment_failed(ctx.context_id, job.index, stream))
             return
-        started = conn.session.segment_started(ctx.context_id, job.index, job.chunk)
+        cached = isinstance(stream, CachedStream)
+        started = conn.session.segment_started(ctx.context_id, job.index, job.chunk, cached)
         if started is not None:
             await conn.send(0, started.event)
         # Frame latency (engine output -> socket) is recorded for live audio only: audio
@@ -635,9 +662,17 @@ class ContextPipeline:
                     self.first_audio_sent = True
                     stats.ttfa_s.append(time.monotonic() - stream.submitted_at)
 
+        keep: list[np.ndarray] | None = [] if key is not None else None
+        kept = 0
         try:
             async for samples in stream:
-                self._submit_ahead()
+                if keep is not None:
+                    kept += len(samples)
+                    if kept > self.app.cache.max_entry_samples:
+                        keep = None  # too long to store
+                    else:
+                        keep.append(samples)
+                await self._submit_ahead()
                 live = stream.produced_at if stream.produced_at >= play_start else 0.0
                 await emit(resampler.process(samples), live)
             await emit(resampler.flush(), 0.0)
@@ -645,9 +680,15 @@ class ContextPipeline:
             stats.segment_errors += 1
             await conn._apply(conn.session.segment_failed(ctx.context_id, job.index, exc))
             return
+        if keep and key is not None and not (isinstance(stream, RequestStream)
+                                             and stream.request.cancelled.is_set()):
+            self.app.cache.put(key, np.concatenate(keep))
         stats.audio_seconds_sent += total / ctx.sample_rate
         await conn._apply(conn.session.segment_done(ctx.context_id, job.index, job.chunk,
                                                     total, seq))
+
+
+Source = RequestStream | CachedStream
 
 
 def _peek_context(message: str) -> str | None:

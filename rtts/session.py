@@ -101,6 +101,7 @@ class ContextState:
     audio_samples: int = 0  # at sample_rate, of finished segments
     ended: bool = False
     last_text_at: float = 0.0
+    cache: bool = True
     flush_marks: list[int] = field(default_factory=list)  # segment counts awaited by flushes
 
     @property
@@ -193,6 +194,7 @@ class Session:
             idle_flush_ms=(self.limits.default_idle_flush_ms if msg.idle_flush_ms is None
                            else msg.idle_flush_ms),
             last_text_at=now,
+            cache=msg.cache,
         )
         self._next_stream = self._next_stream % 65535 + 1
         self.contexts[ctx.context_id] = ctx
@@ -226,7 +228,8 @@ class Session:
 
     # -- audio progress --------------------------------------------------------------
 
-    def segment_started(self, context_id: str, index: int, chunk: Chunk) -> SendEvent | None:
+    def segment_started(self, context_id: str, index: int, chunk: Chunk,
+                        cached: bool = False) -> SendEvent | None:
         ctx = self.contexts.get(context_id)
         if ctx is None:
             return None
@@ -234,7 +237,7 @@ class Session:
             "type": "segment_started", "context_id": context_id, "stream": ctx.stream,
             "segment": index, "text": chunk.text, "text_start": chunk.start,
             "text_end": chunk.end, "audio_start_ms": round(ctx.audio_ms, 3),
-            "sample_rate": ctx.sample_rate,
+            "sample_rate": ctx.sample_rate, "cached": cached,
         })
 
     def segment_done(self, context_id: str, index: int, chunk: Chunk, samples: int,

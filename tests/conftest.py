@@ -7,6 +7,8 @@ random-weight checkpoint, generated once per test session.
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,3 +20,15 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rtts.engines.checkpoint import make_random_checkpoint
 
     return make_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny")
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server on loopback for the test session (installed by .ci/run)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server not installed (apt-get install redis-server)")
+    from procs import start_redis
+
+    with start_redis(tmp_path_factory.mktemp("redis")) as url:
+        yield url

@@ -23,6 +23,7 @@ which stops at its next step.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -80,6 +81,7 @@ class ChatTTSEngine:
         self.chat: Any = None
         self.random_weights = False
         self.model_path: str | None = None
+        self.identity = "chattts:unloaded"
         self._voices: OrderedDict[str, Any] = OrderedDict()
         self._voice_lock = threading.Lock()
         self._default_voice: Any = None
@@ -137,6 +139,7 @@ class ChatTTSEngine:
             _bake_weight_norm(chat)
         self.chat = chat
         self.model_path = str(path) if path else source
+        self.identity = f"{self.name}:{_identity(cfg, path, source)}"
         self._default_voice = self._voice_tensor(f"seed:{cfg.default_voice_seed}")
 
     def warmup(self) -> None:
@@ -384,3 +387,24 @@ class StockChatTTSEngine(ChatTTSEngine):
             finally:
                 stream.close()
             yield row, None
+
+
+def _identity(cfg: EngineConfig, path: Path | None, source: str) -> str:
+    """A stable name for "these weights, decoded this way" (phrase-cache namespace).
+
+    For a local directory: each asset file's name, size and a hash of its first and last
+    MiB -- cheap, and equal for copies of the same weights on different machines.
+    """
+    h = hashlib.sha256()
+    h.update(repr((source, cfg.stream_tokens, cfg.decode_tokens, cfg.decode_context,
+                   cfg.decode_lookahead, cfg.max_new_token)).encode())
+    if path is not None:
+        for file in sorted(p for p in path.rglob("*") if p.is_file()):
+            size = file.stat().st_size
+            h.update(f"{file.relative_to(path)}:{size}".encode())
+            with file.open("rb") as f:
+                h.update(f.read(2**20))
+                if size > 2**20:
+                    f.seek(max(2**20, size - 2**20))
+                    h.update(f.read(2**20))
+    return h.hexdigest()[:24]

@@ -42,6 +42,7 @@ class FakeEngine:
         self.rtf = rtf
         self.max_audio_s = max_audio_s
         self.loaded = False
+        self.identity = f"fake:{sample_rate}:{ms_per_char}"
         self.batches: list[int] = []  # sizes of the batches served, for tests and metrics
 
     def load(self) -> None:

@@ -12,6 +12,13 @@ Two modes:
     repeats) and the ratios. Every segment is forced to ``--tokens`` GPT steps so random
     weights give equal work in both runs.
 
+``rtts bench soak --minutes 10``
+    Starts ``rtts serve --engine fake`` in a subprocess and runs sessions back to back
+    (``--concurrency`` at a time; every fifth cancelled mid-way, some phrases repeated so
+    the cache is exercised) for ``--minutes``. Samples the server's RSS every
+    ``--sample-s``, and reports its growth after the warm-up (the first ``--warmup``
+    fraction of the time), errors, and whether anything leaked.
+
 ``rtts bench fake --streams 200 --idle 1000``
     Starts ``rtts serve --engine fake`` (paced at real time) in a subprocess, runs
     ``--streams`` concurrent streaming sessions, and reads the server-added latency per
@@ -156,6 +163,7 @@ async def bench_chattts(args: argparse.Namespace) -> dict[str, Any]:
     configure_threads_env()  # the same for both servers: they share this process
     import torch
 
+    from .cache import CacheConfig
     from .config import EngineConfig, ServerConfig
     from .engines.base import SynthRequest
     from .engines.chattts_engine import ChatTTSEngine, StockChatTTSEngine
@@ -167,7 +175,9 @@ async def bench_chattts(args: argparse.Namespace) -> dict[str, Any]:
     ecfg = EngineConfig(source="custom", model_dir=args.model_dir, device=args.device,
                         threads=args.threads, fixed_tokens=args.tokens,
                         stream_tokens=args.stream_tokens)
-    base = ServerConfig(port=0, ping_interval_s=None, web_dir=None)
+    # No phrase cache: every run must synthesize (the runs repeat the same text).
+    base = ServerConfig(port=0, ping_interval_s=None, web_dir=None,
+                        cache=CacheConfig(memory_mb=0))
     setups = [
         ("stock-serialized", StockChatTTSEngine,
          SchedulerConfig(max_batch_size=1, concurrency=1, request_timeout_s=3600)),
@@ -245,7 +255,8 @@ async def bench_fake(args: argparse.Namespace) -> dict[str, Any]:
     port = args.port
     cmd = [sys.executable, "-m", "rtts", "--log-level", "WARNING", "serve", "--engine", "fake",
            "--port", str(port), "--fake-rtf", str(args.fake_rtf), "--max-queue", "100000",
-           "--max-batch-size", "64", "--concurrency", "4", "--max-lead", str(args.max_lead)]
+           "--max-batch-size", "64", "--concurrency", "4", "--max-lead", str(args.max_lead),
+           "--cache-mb", "0"]
     server = await asyncio.create_subprocess_exec(
         *cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
@@ -302,6 +313,101 @@ async def bench_fake(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.wait_for(server.wait(), 30)
 
 
+# -- soak mode -----------------------------------------------------------------------------
+
+
+async def soak_session(url: str, i: int) -> str:
+    """One short session: start, text, then end (or, every fifth, cancel). Returns how it
+    ended: ``done`` or ``cancelled``. A few phrases repeat, so cache hits happen too."""
+    text = (f"Session {i}, short and sweet." if i % 3 else
+            f"A phrase heard often, number {i % 10}.")
+    async with connect(url, max_size=None, ping_interval=None) as ws:
+        await ws.recv()  # ready
+        await ws.send(json.dumps({"type": "start", "voice": f"seed:{i % 7}", "seed": 3}))
+        await ws.send(json.dumps({"type": "text", "text": text}))
+        await ws.send(json.dumps({"type": "cancel" if i % 5 == 0 else "end"}))
+        async for msg in ws:
+            if isinstance(msg, str):
+                kind = json.loads(msg)["type"]
+                if kind in ("done", "cancelled"):
+                    return str(kind)
+                if kind == "error":
+                    raise RuntimeError(f"session {i}: {msg}")
+    raise RuntimeError(f"session {i}: closed before done")
+
+
+async def bench_soak(args: argparse.Namespace) -> dict[str, Any]:
+    port = args.port
+    cmd = [sys.executable, "-m", "rtts", "--log-level", "WARNING", "serve", "--engine", "fake",
+           "--port", str(port), "--cache-mb", str(args.cache_mb)]
+    server = await asyncio.create_subprocess_exec(
+        *cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(_http_get, base + "/readyz")
+                break
+            await asyncio.sleep(0.1)
+        url = f"ws://127.0.0.1:{port}/v1/stream"
+        proc = psutil.Process(server.pid)
+        duration = args.minutes * 60
+        t0 = time.monotonic()
+        warm_end = t0 + duration * args.warmup
+        counts = {"done": 0, "cancelled": 0, "errors": 0}
+        series: list[tuple[float, float, int]] = []  # (t, rss MB, sessions so far)
+        next_id = 0
+
+        async def worker() -> None:
+            nonlocal next_id
+            while time.monotonic() - t0 < duration:
+                i, next_id = next_id, next_id + 1
+                try:
+                    counts[await soak_session(url, i)] += 1
+                except Exception as exc:
+                    counts["errors"] += 1
+                    print(f"soak: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+        async def sampler() -> None:
+            while True:
+                series.append((time.monotonic() - t0, proc.memory_info().rss / 2**20,
+                               counts["done"] + counts["cancelled"]))
+                print(f"soak: t={series[-1][0]:.0f}s rss={series[-1][1]:.1f}MB "
+                      f"sessions={series[-1][2]}", file=sys.stderr, flush=True)
+                await asyncio.sleep(args.sample_s)
+
+        sample_task = asyncio.create_task(sampler())
+        try:
+            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        finally:
+            sample_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sample_task
+        await asyncio.sleep(1.0)
+        metrics = await asyncio.to_thread(_http_get, base + "/metrics")
+        final = proc.memory_info().rss / 2**20
+        series.append((time.monotonic() - t0, final, counts["done"] + counts["cancelled"]))
+        after = [rss for t, rss, _ in series if t0 + t >= warm_end]
+        warm_rss = after[0] if after else series[0][1]
+        sessions = counts["done"] + counts["cancelled"]
+        return {
+            "minutes": args.minutes, "concurrency": args.concurrency, "sessions": sessions,
+            "sessions_after_warmup": sessions - next(
+                (n for t, _, n in series if t0 + t >= warm_end), 0),
+            **counts,
+            "rss_mb_at_warmup_end": warm_rss, "rss_mb_final": final,
+            "rss_mb_max_after_warmup": max(after) if after else final,
+            "rss_growth_after_warmup_pct": 100 * (final / warm_rss - 1),
+            "cache_hits": _metric(metrics, 'rtts_cache_hits_total{tier="memory"}'),
+            "open_connections_after": _metric(metrics, "rtts_active_connections"),
+            "queue_depth_after": _metric(metrics, "rtts_queue_depth"),
+            "rss_series": [(round(t), round(r, 1), n) for t, r, n in series],
+        }
+    finally:
+        server.terminate()
+        await asyncio.wait_for(server.wait(), 30)
+
+
 def add_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="load benchmarks with real WebSocket clients")
     bsub = b.add_subparsers(dest="bench_mode", required=True)
@@ -327,10 +433,18 @@ def add_parser(sub: Any) -> None:
                    help="spread session starts over this many seconds")
     f.add_argument("--text", default=BENCH_TEXT + ". " + BENCH_TEXT + ".")
     f.add_argument("--json", type=Path, default=None)
+    k = bsub.add_parser("soak", help="sessions back to back for minutes; RSS must stay flat")
+    k.add_argument("--minutes", type=float, default=10.0)
+    k.add_argument("--concurrency", type=int, default=20)
+    k.add_argument("--warmup", type=float, default=0.2, help="fraction of the time")
+    k.add_argument("--sample-s", type=float, default=10.0)
+    k.add_argument("--cache-mb", type=float, default=8.0, help="the server's --cache-mb")
+    k.add_argument("--port", type=int, default=8798)
+    k.add_argument("--json", type=Path, default=None)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    runner = bench_chattts if args.bench_mode == "chattts" else bench_fake
+    runner = {"chattts": bench_chattts, "fake": bench_fake, "soak": bench_soak}[args.bench_mode]
     out = asyncio.run(runner(args))
     text = json.dumps(out, indent=1)
     print(text)

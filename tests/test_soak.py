@@ -6,41 +6,29 @@ allocator pools and caches have grown to their working size.
 
 import asyncio
 import gc
-import json
 import os
 
 import psutil
-from websockets.asyncio.client import connect
 
-from helpers import server
+from helpers import base_config, server
+from rtts.bench import soak_session
+from rtts.cache import CacheConfig
 from rtts.engines.fake import FakeEngine
 
 SESSIONS = int(os.environ.get("RTTS_SOAK_SESSIONS", "2500"))
 WARMUP = 1000
 
 
-async def one(url: str, i: int) -> None:
-    async with connect(url, max_size=None) as ws:
-        await ws.recv()
-        await ws.send(json.dumps({"type": "start", "voice": f"seed:{i % 7}"}))
-        await ws.send(json.dumps({"type": "text", "text": f"Session {i}, short and sweet."}))
-        if i % 5 == 0:
-            await ws.send(json.dumps({"type": "cancel"}))
-        else:
-            await ws.send(json.dumps({"type": "end"}))
-        async for msg in ws:
-            if isinstance(msg, str) and json.loads(msg)["type"] in ("done", "cancelled"):
-                break
-
-
 async def test_rss_flat_across_thousands_of_sessions():
     proc = psutil.Process()
-    async with server(engine=FakeEngine(ms_per_char=2)) as (app, url):
+    # A small phrase cache: it fills up during the warm-up and then stays at its bound.
+    cfg = base_config(cache=CacheConfig(memory_mb=0.5))
+    async with server(cfg, FakeEngine(ms_per_char=2)) as (app, url):
         sem = asyncio.Semaphore(20)
 
         async def bounded(i: int) -> None:
             async with sem:
-                await one(url, i)
+                await soak_session(url, i)
 
         await asyncio.gather(*(bounded(i) for i in range(WARMUP)))
         gc.collect()
@@ -55,5 +43,6 @@ async def test_rss_flat_across_thousands_of_sessions():
         assert not app.connections
         assert app.scheduler.queue_depth == 0 and app.scheduler.running_batches == 0
         assert app.stats.connections_total == SESSIONS
+        assert app.cache.memory.bytes <= 0.5 * 2**20 and app.cache.stats.hits_memory > 0
         print(f"soak: {SESSIONS} sessions, RSS growth after warm-up {grown * 100:.2f}%")
         assert grown < 0.05, f"RSS grew {grown * 100:.1f}% over {SESSIONS - WARMUP} sessions"

@@ -24,6 +24,7 @@ export { parseFrame, buildFrame, pcm16ToFloat32 } from "./protocol.js";
  * @property {boolean} [refine]
  * @property {number[]} [chunkSchedule] characters before each chunk may be cut
  * @property {number} [idleFlushMs]
+ * @property {boolean} [cache]      false: never serve or store this utterance in the phrase cache
  */
 
 /**
@@ -58,7 +59,7 @@ export class Utterance extends EventTarget {
     /** @type {number | null} ms from speak() to the first audio frame */
     this.ttfaMs = null;
     /** @type {Array<{segment: number, text: string, textStart: number, textEnd: number,
-     *   audioStartMs: number, durationMs: number | null, heardMs: number}>} */
+     *   audioStartMs: number, durationMs: number | null, heardMs: number, cached: boolean}>} */
     this.segments = [];
     this.state = "open"; // open | done | cancelled | error
     this.audioMs = 0;
@@ -230,7 +231,7 @@ export class RttsClient extends EventTarget {
     const start = { type: "start", context_id: contextId, sample_rate: u.sampleRate };
     for (const [k, key] of [["voice", "voice"], ["seed", "seed"], ["temperature", "temperature"],
       ["top_P", "top_P"], ["top_K", "top_K"], ["speed", "speed"], ["refine", "refine"],
-      ["chunkSchedule", "chunk_schedule"], ["idleFlushMs", "idle_flush_ms"]]) {
+      ["chunkSchedule", "chunk_schedule"], ["idleFlushMs", "idle_flush_ms"], ["cache", "cache"]]) {
       if (o[k] !== undefined) start[key] = o[k];
     }
     this._send(start);
@@ -313,7 +314,7 @@ export class RttsClient extends EventTarget {
         this.byStream.set(msg.stream, u);
         u.segments.push({ segment: msg.segment, text: msg.text, textStart: msg.text_start,
                           textEnd: msg.text_end, audioStartMs: msg.audio_start_ms,
-                          durationMs: null, heardMs: 0 });
+                          durationMs: null, heardMs: 0, cached: Boolean(msg.cached) });
         u._emit("segment_started", msg);
         break;
       case "segment_done": {

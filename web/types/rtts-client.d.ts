@@ -21,7 +21,7 @@ export class Utterance extends EventTarget {
     /** @type {number | null} ms from speak() to the first audio frame */
     ttfaMs: number | null;
     /** @type {Array<{segment: number, text: string, textStart: number, textEnd: number,
-     *   audioStartMs: number, durationMs: number | null, heardMs: number}>} */
+     *   audioStartMs: number, durationMs: number | null, heardMs: number, cached: boolean}>} */
     segments: Array<{
         segment: number;
         text: string;
@@ -30,6 +30,7 @@ export class Utterance extends EventTarget {
         audioStartMs: number;
         durationMs: number | null;
         heardMs: number;
+        cached: boolean;
     }>;
     state: string;
     audioMs: number;
@@ -166,6 +167,10 @@ export type SpeakOptions = {
      */
     chunkSchedule?: number[];
     idleFlushMs?: number;
+    /**
+     * false: never serve or store this utterance in the phrase cache
+     */
+    cache?: boolean;
 };
 export type ConnectOptions = {
     /**

@@ -442,6 +442,11 @@ class Connection:
         """Queue an event or frame; wait for space (pacing); close 4008 if it never comes."""
         payload = orjson.dumps(item).decode() if isinstance(item, dict) else item
         try:
+            self.out.put_nowait((stream, payload, produced_at))
+            return  # the common case: no timer to arm and cancel
+        except asyncio.QueueFull:
+            pass
+        try:
             async with asyncio.timeout(self.cfg.slow_client_timeout_s):
                 await self.out.put((stream, payload, produced_at))
         except TimeoutError:

@@ -142,3 +142,24 @@ async def test_streams_through_the_server(tiny_checkpoint: Path):
             assert np.abs(pcm).max() > 100  # random weights still make sound
         assert c2.got.of("segment_started")[0]["sample_rate"] == 16000
         assert max(app.scheduler.batch_sizes) >= 2  # the two streams shared batches
+
+
+def test_engine_identity_names_the_weights_not_the_path(engine, tiny_checkpoint, tmp_path):
+    """The phrase-cache namespace: equal for a copy of the same weights, different for
+    other weights or other decode settings."""
+    import shutil
+
+    from rtts.engines.chattts_engine import _identity
+
+    cfg = engine.config
+    assert engine.identity == f"chattts:{_identity(cfg, tiny_checkpoint, 'custom')}"
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_checkpoint, copy)
+    assert _identity(cfg, copy, "custom") == _identity(cfg, tiny_checkpoint, "custom")
+    assert _identity(replace(cfg, decode_tokens=cfg.decode_tokens + 1), copy, "custom") != \
+        _identity(cfg, copy, "custom")
+    victim = next(p for p in sorted(copy.rglob("*.safetensors")))
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert _identity(cfg, copy, "custom") != _identity(cfg, tiny_checkpoint, "custom")

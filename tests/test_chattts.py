@@ -163,3 +163,79 @@ def test_engine_identity_names_the_weights_not_the_path(engine, tiny_checkpoint,
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
     assert _identity(cfg, copy, "custom") != _identity(cfg, tiny_checkpoint, "custom")
+
+
+def _prompt(engine, texts):
+    chat = engine.chat
+    prompts = []
+    for t in texts:
+        prompts += chat.speaker.decorate_code_prompts([t], "[speed_5]", None, "spk")
+    ids, mask, text_mask = chat.tokenizer.encode(prompts, 4, device=chat.device_gpt)
+    return ids, mask, chat.embed(ids, text_mask)
+
+
+def _processors():
+    from ChatTTS.model import gen_logits
+
+    warpers, processors = gen_logits(num_code=625, top_P=0.7, top_K=20, repetition_penalty=1.05)
+    return (*processors, *warpers)
+
+
+def _batch_sizes(engine):
+    """Record the batch size of every GPT forward (a real forward hook, no mock)."""
+    sizes: list[int] = []
+    handle = engine.chat.gpt.gpt.register_forward_pre_hook(
+        lambda _m, _a, kw: sizes.append(int(kw["inputs_embeds"].shape[0])), with_kwargs=True)
+    return sizes, handle
+
+
+def test_own_gpt_loop_matches_chattts_generate(engine):
+    """Same seed, same recipe: rtts's static-cache loop reproduces ChatTTS's own
+    GPT.generate hidden states, with left padding in the batch."""
+    import torch
+    from ChatTTS.model import GPT
+
+    from rtts.engines.gpt_loop import GptLoop
+
+    texts = ["Hello there, how are you?", "Hi.", "一个比较长的中文句子，用来测试填充。"]
+    n = 24
+    ids, mask, emb = _prompt(engine, texts)
+    ref = list(engine.chat.gpt.generate(
+        emb, ids, temperature=torch.tensor([0.3] * 4), eos_token=625, attention_mask=mask,
+        max_new_token=n, min_new_token=n, logits_processors=_processors(), infer_text=False,
+        return_hidden=True, stream=False, show_tqdm=False, manual_seed=7,
+        context=GPT.Context()))[-1]
+    ids, mask, emb = _prompt(engine, texts)
+    steps = list(GptLoop(engine.chat.gpt, 4, 625).run(
+        emb, mask, [n] * 3, [n] * 3, 0.3, _processors(), 7, lambda r: False, 8))
+    last = steps[-1]
+    assert [s.step for s in steps] == [8, 16, 24] and last.done
+    for r in range(3):
+        assert last.rows[r].length == n
+        assert torch.allclose(ref.hiddens[r], last.hiddens[r, :n], atol=1e-5)
+
+
+def test_own_gpt_loop_evicts_finished_and_cancelled_rows(engine):
+    from rtts.engines.gpt_loop import GptLoop
+
+    texts = ["one", "two", "three", "four"]
+    ids, mask, emb = _prompt(engine, texts)
+    cancelled: set[int] = set()
+    sizes, handle = _batch_sizes(engine)
+    try:
+        lengths_seen = []
+        for step in GptLoop(engine.chat.gpt, 4, 625).run(
+                emb, mask, [8, 16, 24, 24], [8, 16, 24, 24], 0.3, _processors(), None,
+                lambda r: r in cancelled, 4):
+            lengths_seen.append([r.length for r in step.rows])
+            if step.step == 12:
+                cancelled.add(3)  # the client cancels row 3 mid-batch
+    finally:
+        handle.remove()
+    rows = step.rows
+    assert [r.length for r in rows[:3]] == [8, 16, 24]
+    assert 12 <= rows[3].length < 24 and rows[3].evicted  # stopped right after the cancel
+    # forwards: prefill + 7 steps at 4 rows, then 3 rows until step 12-16, 2, then 1
+    assert sizes[:8] == [4] * 8
+    assert sizes[-1] == 1 and sorted(sizes, reverse=True) == sizes
+    assert sum(sizes) < 4 * 24  # the evicted rows cost nothing after they left

@@ -39,6 +39,7 @@ import numpy as np
 from ..config import EngineConfig, default_model_dir
 from ..protocol import SynthParams
 from .base import EngineOutput, SynthRequest
+from .gpt_loop import GptLoop
 
 __all__ = ["ChatTTSEngine", "StockChatTTSEngine", "check_torchaudio", "configure_threads_env"]
 
@@ -221,8 +222,7 @@ class ChatTTSEngine:
         return [t or texts[k] for k, t in enumerate(out)]
 
     def generate(self, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:
-        import torch
-        from ChatTTS.model import GPT, gen_logits
+        from ChatTTS.model import gen_logits
 
         chat = self.chat
         if chat is None:
@@ -245,43 +245,32 @@ class ChatTTSEngine:
         warpers, processors = gen_logits(num_code=num_code, top_P=params.top_P,
                                          top_K=params.top_K, repetition_penalty=1.05)
         limits = [self._max_tokens(r) for r in batch]
-        max_new = max(limits)
-        gpt_stream = chat.gpt.generate(
-            emb, input_ids,
-            temperature=torch.tensor([params.temperature] * num_vq, device=chat.device),
-            eos_token=num_code, attention_mask=attention_mask, max_new_token=max_new,
-            min_new_token=max_new if self.config.fixed_tokens else 0,
-            logits_processors=(*processors, *warpers), infer_text=False,
-            return_hidden=True, stream=True, show_tqdm=False, ensure_non_empty=True,
-            stream_batch=self.config.stream_tokens, manual_seed=params.seed,
-            context=GPT.Context(),
-        )
+        fixed = bool(self.config.fixed_tokens)
+        loop = GptLoop(chat.gpt, num_vq, eos_token=num_code)
+        steps = loop.run(
+            emb, attention_mask, limits, limits if fixed else [0] * len(batch),
+            params.temperature, (*processors, *warpers), params.seed,
+            cancelled=lambda row: batch[row].cancelled.is_set(),
+            yield_every=self.config.stream_tokens)
         del emb, text_mask
         n = len(batch)
         emitted = [0] * n  # tokens already turned into audio, per row
         done = [False] * n
-        last: list[Any] = []
         try:
-            for result in gpt_stream:
-                last = list(result.hiddens)
-                lens = [int(h.size(0)) for h in last]
-                longest = max(lens) if lens else 0
-                finished = [lens[i] < longest or lens[i] >= limits[i] for i in range(n)]
-                yield from self._decode_rows(batch, last, emitted, done, finished, lens,
+            for result in steps:
+                hiddens = [result.hiddens[row] for row in range(n)]
+                lens = [r.length for r in result.rows]
+                finished = [r.finished or result.done for r in result.rows]
+                yield from self._decode_rows(batch, hiddens, emitted, done, finished, lens,
                                              limits)
                 if all(done):
-                    return  # every row hit its own limit: stop the GPT early
-            # The generator's last yield is complete: everything left is final.
-            if last:
-                lens = [int(h.size(0)) for h in last]
-                yield from self._decode_rows(batch, last, emitted, done, [True] * n, lens,
-                                             limits)
+                    return
             for row in range(n):
                 if not done[row]:
                     done[row] = True
                     yield row, None
         finally:
-            gpt_stream.close()
+            steps.close()
 
     def _decode_rows(self, batch: Sequence[SynthRequest], hiddens: list[Any],
                      emitted: list[int], done: list[bool], final: list[bool],

@@ -23,11 +23,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -137,6 +139,9 @@ class Scheduler:
         self.degraded = False  # set by the load governor: no batch wait
         self.busy_s = 0.0  # device time spent in batches
         self.audio_samples = 0  # audio the engine produced (at engine.sample_rate)
+        self._posts: list[tuple[Callable[[Any], None], object]] = []
+        self._posts_lock = threading.Lock()
+        self._posts_scheduled = False
 
     # -- public API ---------------------------------------------------------------
 
@@ -306,7 +311,21 @@ class Scheduler:
                 self._post(loop, stream._finish, None)
                 self.completed += 1
 
-    @staticmethod
-    def _post(loop: asyncio.AbstractEventLoop, fn: object, arg: object) -> None:
+    def _post(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Any], None],
+              arg: object) -> None:
+        """Hand ``fn(arg)`` to the event loop. Posts coalesce: a batch step's chunks for
+        every row cost one loop wake-up (one self-pipe write), not one per row."""
+        with self._posts_lock:
+            self._posts.append((fn, arg))
+            if self._posts_scheduled:
+                return
+            self._posts_scheduled = True
         with contextlib.suppress(RuntimeError):  # loop closed during shutdown
-            loop.call_soon_threadsafe(fn, arg)  # type: ignore[arg-type]
+            loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._posts_lock:
+            posts, self._posts = self._posts, []
+            self._posts_scheduled = False
+        for fn, arg in posts:
+            fn(arg)

@@ -75,6 +75,7 @@ class ChatTTSEngine:
     name = "chattts"
     sample_rate = 24000
     bake_weight_norm = True
+    small_batch_gemm = True
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -138,6 +139,8 @@ class ChatTTSEngine:
                                "assets missing or sha256 check failed (see log above)")
         if self.bake_weight_norm:
             _bake_weight_norm(chat)
+        if self.small_batch_gemm and self.device == "cpu":
+            _small_batch_linears(chat.gpt.gpt)
         self.chat = chat
         self.model_path = str(path) if path else source
         self.identity = f"{self.name}:{_identity(cfg, path, source)}"
@@ -329,6 +332,44 @@ def _bake_weight_norm(chat: Any) -> None:
             parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
 
 
+SMALL_GEMM_ROWS = (2, 4)  # rows (batch x new tokens) where the transposed product wins
+
+
+def _small_batch_linears(model: Any) -> int:
+    """On CPU, compute the GPT's linear layers for 2-4 rows as ``(W @ x.T).T``.
+
+    A decode step multiplies each weight matrix by one row per batch element. For 2-4
+    rows, torch's ``F.linear`` (MKL, on this project's AMD EPYC box) is slower than for
+    one row, up to 2.9x at 3 rows, while the transposed product streams the weights once
+    like a matrix-vector product. Measured over 20 Llama layers of ChatTTS's shape,
+    weights streaming from memory: 4 rows 125 -> 94 ms, 3 rows 212 -> 98 ms, 2 rows
+    161 -> 93 ms; 1 row and 6+ rows are left to ``F.linear``, which wins there.
+    Returns how many layers were switched.
+    """
+    import types
+
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    lo, hi = SMALL_GEMM_ROWS
+
+    def forward(self: Any, x: Any) -> Any:
+        rows = x.numel() // x.shape[-1] if x.dim() >= 2 else 1
+        if lo <= rows <= hi:
+            y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()
+            if self.bias is not None:
+                y = y + self.bias
+            return y.reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+            count += 1
+    return count
+
+
 def _refine_params(chat: Any, params: SynthParams) -> Any:
     return chat.RefineTextParams(prompt="", top_P=params.top_P, top_K=params.top_K,
                               temperature=params.temperature, max_new_token=384,
@@ -346,6 +387,7 @@ class StockChatTTSEngine(ChatTTSEngine):
 
     name = "chattts-stock"
     bake_weight_norm = False  # the Chat exactly as ChatTTS builds it
+    small_batch_gemm = False
 
     def batch_key(self, params: SynthParams) -> Hashable:
         return object()  # never batch

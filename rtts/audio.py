@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 from math import gcd
 
@@ -33,6 +34,24 @@ def wav_bytes(samples: npt.NDArray[np.floating], sample_rate: int) -> bytes:
     return buf.getvalue()
 
 
+_PASSTHROUGH = np.zeros((1, 1), dtype=np.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _filter_bank(up: int, down: int, half: int) -> FloatArray:
+    """Polyphase windowed-sinc bank: for output phase p, tap k applies to input
+    x[base + k - half + 1]. Read-only; shared by every resampler of this rate pair."""
+    cutoff = min(1.0, up / down)  # relative to the input Nyquist
+    phases = np.arange(up, dtype=np.float64) / up
+    k = np.arange(-half + 1, half + 1, dtype=np.float64)
+    t = k[None, :] - phases[:, None]  # distance from the ideal position, in input samples
+    window = np.kaiser(2 * half + 1, 8.0)
+    w = np.interp(t, np.arange(-half, half + 1), window)
+    bank: FloatArray = (cutoff * np.sinc(cutoff * t) * w).astype(np.float32)
+    bank.flags.writeable = False
+    return bank
+
+
 class StreamingResampler:
     """Rational polyphase resampler (windowed sinc) that keeps state across chunks.
 
@@ -47,15 +66,9 @@ class StreamingResampler:
         self.down = src_rate // g
         self.passthrough = self.up == self.down
         self.half = half_taps
-        cutoff = min(1.0, self.up / self.down)  # relative to the input Nyquist
-        # Filter bank: for output phase p, tap k applies to input x[base + k - half + 1].
-        phases = np.arange(self.up, dtype=np.float64) / self.up
-        k = np.arange(-self.half + 1, self.half + 1, dtype=np.float64)
-        t = k[None, :] - phases[:, None]  # distance from the ideal position, in input samples
-        window = np.kaiser(2 * self.half + 1, 8.0)
-        w = np.interp(t, np.arange(-self.half, self.half + 1), window)
-        bank = cutoff * np.sinc(cutoff * t) * w
-        self._bank = bank.astype(np.float32)
+        # One resampler per segment: the bank is built once per rate pair, not each time.
+        self._bank = _PASSTHROUGH if self.passthrough else _filter_bank(self.up, self.down,
+                                                                        half_taps)
         self._hist = np.zeros(self.half, dtype=np.float32)  # look-back context
         self._hist_len = 0  # how many real samples precede the buffer's start
         self._buf = np.zeros(0, dtype=np.float32)

@@ -255,7 +255,8 @@ async def bench_fake(args: argparse.Namespace) -> dict[str, Any]:
     port = args.port
     cmd = [sys.executable, "-m", "rtts", "--log-level", "WARNING", "serve", "--engine", "fake",
            "--port", str(port), "--fake-rtf", str(args.fake_rtf), "--max-queue", "100000",
-           "--max-batch-size", "64", "--concurrency", "4", "--max-lead", str(args.max_lead),
+           "--max-batch-size", str(args.batch), "--concurrency", str(args.concurrency),
+           "--max-lead", str(args.max_lead),
            "--cache-mb", "0"]
     server = await asyncio.create_subprocess_exec(
         *cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -429,6 +430,9 @@ def add_parser(sub: Any) -> None:
     f.add_argument("--fake-rtf", type=float, default=1.0)
     f.add_argument("--port", type=int, default=8799)
     f.add_argument("--max-lead", type=float, default=2.0, help="the server's --max-lead")
+    f.add_argument("--batch", type=int, default=64, help="the server's --max-batch-size")
+    f.add_argument("--concurrency", type=int, default=4,
+                   help="the server's --concurrency (batches running at once)")
     f.add_argument("--ramp", type=float, default=0.0,
                    help="spread session starts over this many seconds")
     f.add_argument("--text", default=BENCH_TEXT + ". " + BENCH_TEXT + ".")

@@ -15,6 +15,7 @@ import time
 from collections.abc import Hashable, Iterator, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from ..protocol import SynthParams
 from .base import EngineOutput, SynthRequest
@@ -44,6 +45,7 @@ class FakeEngine:
         self.loaded = False
         self.identity = f"fake:{sample_rate}:{ms_per_char}"
         self.batches: list[int] = []  # sizes of the batches served, for tests and metrics
+        self._tables: dict[float, npt.NDArray[np.float32]] = {}  # tone per frequency
 
     def load(self) -> None:
         self.loaded = True
@@ -87,14 +89,27 @@ class FakeEngine:
                     r.cancelled.wait(0.05)
                     continue
                 n = min(chunk, totals[i] - pos[i])
-                t = (np.arange(pos[i], pos[i] + n) / self.sample_rate).astype(np.float32)
-                yield i, (0.3 * np.sin(2 * np.pi * freqs[i] * t)).astype(np.float32)
+                yield i, self._tone(freqs[i], pos[i], n)
                 pos[i] += n
                 if pos[i] >= totals[i]:
                     done[i] = True
                     yield i, None
             if self.rtf and not all(done):
                 self._sleep(self.rtf * self.chunk_ms / 1000.0, batch)
+
+    def _tone(self, freq: float, start: int, n: int) -> npt.NDArray[np.float32]:
+        """Samples [start, start + n) of the tone: sliced from one cached second, so the
+        test double costs next to nothing (it shares the GIL with the server's loop)."""
+        table = self._tables.get(freq)
+        if table is None:
+            # An integer frequency repeats exactly every second.
+            t = np.arange(2 * self.sample_rate, dtype=np.float64) / self.sample_rate
+            table = (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+            self._tables[freq] = table
+        offset = start % self.sample_rate
+        if offset + n <= len(table):
+            return table[offset:offset + n].copy()
+        return table[(offset + np.arange(n)) % self.sample_rate]
 
     @staticmethod
     def _sleep(seconds: float, batch: Sequence[SynthRequest]) -> None:

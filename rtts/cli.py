@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -138,6 +139,11 @@ async def serve_until_signalled(config: ServerConfig) -> int:
         if app.state == "failed":
             logger.error("not serving: %s", app.state_reason)
             return 1
+        # Everything alive now (modules, the model, caches) lives for the whole process:
+        # move it out of the collector's sight, so that a full collection walks only
+        # per-session objects (a 53 ms gen-2 pause was seen in the 200-stream bench).
+        gc.collect()
+        gc.freeze()
         logger.info("listening on ws://%s:%d%s (demo page http://%s:%d/)", config.host,
                     config.port, config.ws_path, config.host, config.port)
         await stop.wait()

@@ -22,8 +22,8 @@ COPY rtts ./rtts
 COPY web ./web
 
 RUN if [ -n "$TORCH_CONSTRAINT" ]; then echo "$TORCH_CONSTRAINT" > /tmp/c.txt; \
-      pip install --no-cache-dir -c /tmp/c.txt --extra-index-url https://download.pytorch.org/whl/cpu ".[chattts]"; \
-    else pip install --no-cache-dir ".[chattts]"; fi \
+      pip install --no-cache-dir -c /tmp/c.txt --extra-index-url https://download.pytorch.org/whl/cpu ".[chattts,redis]"; \
+    else pip install --no-cache-dir ".[chattts,redis]"; fi \
  && rtts doctor --fix \
  && rtts model make-random --size tiny /var/lib/rtts/random-tiny \
  && useradd --system --home /var/lib/rtts rtts && chown -R rtts /var/lib/rtts

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rtts.bench import bench_chattts, bench_fake
+from rtts.bench import bench_chattts, bench_fake, bench_soak
+from rtts.cli import build_parser
 
 
 def free_port() -> int:
@@ -31,9 +32,23 @@ async def test_chattts_bench_compares_equal_work(tiny_checkpoint: Path):
 
 
 async def test_fake_bench_streams_and_holds_idle_connections():
-    args = argparse.Namespace(streams=10, idle=50, idle_hold=0.2, fake_rtf=0.2, max_lead=2.0,
-                              ramp=0.1, port=free_port(), text="Ten streams at once. Then idle.")
+    args = build_parser().parse_args([
+        "bench", "fake", "--streams", "10", "--idle", "50", "--idle-hold", "0.2",
+        "--fake-rtf", "0.2", "--ramp", "0.1", "--port", str(free_port()),
+        "--text", "Ten streams at once. Then idle."])
     out = await bench_fake(args)
     assert out["streams"] == 10 and out["audio_s"] > 0
     assert out["frames"] > 0 and out["frame_latency_p99_ms"] >= out["frame_latency_p50_ms"]
     assert out["idle_alive_after_hold"] == 50
+
+
+async def test_soak_bench_reports_sessions_rss_and_leaks():
+    args = build_parser().parse_args([
+        "bench", "soak", "--minutes", "0.05", "--concurrency", "5", "--sample-s", "0.5",
+        "--port", str(free_port())])
+    out = await bench_soak(args)
+    assert out["sessions"] > 20 and out["errors"] == 0
+    assert out["done"] > 0 and out["cancelled"] > 0  # every fifth session cancels
+    assert out["cache_hits"] > 0  # recurring phrases
+    assert out["open_connections_after"] == 0 and out["queue_depth_after"] == 0
+    assert len(out["rss_series"]) >= 3 and out["rss_mb_final"] > 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -111,6 +110,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ),
         limits=replace(base.limits, max_contexts=args.max_contexts),
         instance_id=args.instance_id or base.instance_id,
+        freeze_gc=True,
         cache=replace(base.cache, memory_mb=args.cache_mb, redis_url=args.cache_redis or None,
                       redis_ttl_s=args.cache_ttl),
         auth=AuthConfig(
@@ -139,11 +139,6 @@ async def serve_until_signalled(config: ServerConfig) -> int:
         if app.state == "failed":
             logger.error("not serving: %s", app.state_reason)
             return 1
-        # Everything alive now (modules, the model, caches) lives for the whole process:
-        # move it out of the collector's sight, so that a full collection walks only
-        # per-session objects (a 53 ms gen-2 pause was seen in the 200-stream bench).
-        gc.collect()
-        gc.freeze()
         logger.info("listening on ws://%s:%d%s (demo page http://%s:%d/)", config.host,
                     config.port, config.ws_path, config.host, config.port)
         await stop.wait()

@@ -69,6 +69,7 @@ class ServerConfig:
     close_timeout_s: float = 2.0  # wait this long for the client's close frame, then drop
     ping_interval_s: float | None = 20.0
     gil_switch_interval_s: float = 0.001  # `rtts serve` sets sys.setswitchinterval to this
+    freeze_gc: bool = False  # after loading, gc.freeze() what exists (`rtts serve` sets it)
     instance_id: str = field(default_factory=lambda: _instance_id())
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

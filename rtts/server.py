@@ -430,6 +430,12 @@ class Connection:
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            # A cancelled task keeps its CancelledError, whose traceback holds the frames
+            # that hold ``self``: drop our references to the tasks so the connection is
+            # freed by reference counting, not left to a full garbage collection.
+            self._writer_task = self._close_task = None
+            self._tasks.clear()
+            self.pipelines.clear()
 
     async def close(self, code: int, reason: str) -> None:
         if self._closing:
@@ -575,6 +581,7 @@ class Connection:
                 pipeline.wakeup.set()  # finished: let its task see that and return
 
     def _forget(self, cid: str, pipeline: ContextPipeline, task: asyncio.Task[None]) -> None:
+        pipeline.task = None  # break pipeline -> task -> exception -> frame -> pipeline
         if self.pipelines.get(cid) is pipeline:
             del self.pipelines[cid]
         self.app.activity.set()

@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -247,17 +248,13 @@ def _metric(text: str, name: str) -> float:
     raise KeyError(name)
 
 
-async def bench_fake(args: argparse.Namespace) -> dict[str, Any]:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = 2 * (args.idle + args.streams) + 256
-    if soft < need:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
-    port = args.port
+@contextlib.asynccontextmanager
+async def _fake_server(port: int,
+                       *serve_args: str) -> AsyncIterator[tuple[str, str, psutil.Process]]:
+    """``rtts serve --engine fake`` in a subprocess; yields (ws url, http base, process)
+    once ``/readyz`` answers; terminates it on exit."""
     cmd = [sys.executable, "-m", "rtts", "--log-level", "WARNING", "serve", "--engine", "fake",
-           "--port", str(port), "--fake-rtf", str(args.fake_rtf), "--max-queue", "100000",
-           "--max-batch-size", str(args.batch), "--concurrency", str(args.concurrency),
-           "--max-lead", str(args.max_lead),
-           "--cache-mb", "0"]
+           "--port", str(port), *serve_args]
     server = await asyncio.create_subprocess_exec(
         *cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
@@ -267,8 +264,21 @@ async def bench_fake(args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.to_thread(_http_get, base + "/readyz")
                 break
             await asyncio.sleep(0.1)
-        url = f"ws://127.0.0.1:{port}/v1/stream"
-        proc = psutil.Process(server.pid)
+        yield f"ws://127.0.0.1:{port}/v1/stream", base, psutil.Process(server.pid)
+    finally:
+        server.terminate()
+        await asyncio.wait_for(server.wait(), 30)
+
+
+async def bench_fake(args: argparse.Namespace) -> dict[str, Any]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 2 * (args.idle + args.streams) + 256
+    if soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
+    serve = ("--fake-rtf", str(args.fake_rtf), "--max-queue", "100000",
+             "--max-batch-size", str(args.batch), "--concurrency", str(args.concurrency),
+             "--max-lead", str(args.max_lead), "--cache-mb", "0")
+    async with _fake_server(args.port, *serve) as (url, base, proc):
         me = psutil.Process()
         proc.cpu_percent(None)
         me.cpu_percent(None)
@@ -309,9 +319,6 @@ async def bench_fake(args: argparse.Namespace) -> dict[str, Any]:
             for ws in conns:
                 await ws.close()
         return out
-    finally:
-        server.terminate()
-        await asyncio.wait_for(server.wait(), 30)
 
 
 # -- soak mode -----------------------------------------------------------------------------
@@ -338,20 +345,7 @@ async def soak_session(url: str, i: int) -> str:
 
 
 async def bench_soak(args: argparse.Namespace) -> dict[str, Any]:
-    port = args.port
-    cmd = [sys.executable, "-m", "rtts", "--log-level", "WARNING", "serve", "--engine", "fake",
-           "--port", str(port), "--cache-mb", str(args.cache_mb)]
-    server = await asyncio.create_subprocess_exec(
-        *cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(200):
-            with contextlib.suppress(OSError):
-                await asyncio.to_thread(_http_get, base + "/readyz")
-                break
-            await asyncio.sleep(0.1)
-        url = f"ws://127.0.0.1:{port}/v1/stream"
-        proc = psutil.Process(server.pid)
+    async with _fake_server(args.port, "--cache-mb", str(args.cache_mb)) as (url, base, proc):
         duration = args.minutes * 60
         t0 = time.monotonic()
         warm_end = t0 + duration * args.warmup
@@ -404,9 +398,6 @@ async def bench_soak(args: argparse.Namespace) -> dict[str, Any]:
             "queue_depth_after": _metric(metrics, "rtts_queue_depth"),
             "rss_series": [(round(t), round(r, 1), n) for t, r, n in series],
         }
-    finally:
-        server.terminate()
-        await asyncio.wait_for(server.wait(), 30)
 
 
 def add_parser(sub: Any) -> None:

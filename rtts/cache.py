@@ -256,6 +256,7 @@ class CachedStream:
     """A cache hit, shaped like :class:`rtts.scheduler.RequestStream` for the sender."""
 
     cached = True
+    ready = True  # the audio is all here
 
     def __init__(self, samples: npt.NDArray[np.float32]) -> None:
         self._samples: npt.NDArray[np.float32] | None = samples

@@ -74,6 +74,11 @@ class RequestStream:
     def finished(self) -> bool:
         return self._done
 
+    @property
+    def ready(self) -> bool:
+        """Audio (or the end) can be read without waiting."""
+        return bool(self._pending) or self._done
+
     def cancel(self) -> None:
         self.request.cancel()
         self._finish(None)

@@ -657,6 +657,12 @@ class ContextPipeline:
                     await self.wakeup.wait()
                     continue
                 job, stream, key = self.inflight[0]
+                if job.index and not isinstance(stream, RttsError) and stream.ready:
+                    # A segment boundary with the next audio already made (prefetched or
+                    # cached): nothing is late here, so let frames that are queued behind
+                    # us go first. Many streams crossing a boundary together otherwise hold
+                    # up every live frame behind their events and first frames.
+                    await asyncio.sleep(0)
                 await self._play(job, stream, key)
                 self.inflight.popleft()
         finally:

@@ -331,6 +331,36 @@ async def test_non_reading_client_is_paced_then_dropped_4008():
         assert app.stats.frames_sent < 8000
 
 
+async def test_paused_reader_switches_to_the_queue_and_back_without_reordering():
+    """Frames go straight to the socket while it has room, through the writer queue while
+    the client is not reading; either way they arrive complete and in order."""
+    engine = FakeEngine(ms_per_char=100)  # 6 x 31 s of audio: ~9 MB, beyond socket buffers
+    cfg = replace(base_config(), max_lead_s=None, slow_client_timeout_s=10.0)
+    async with server(cfg, engine) as (app, url), client(url) as c:
+        c.ws.transport.pause_reading()  # the socket backs up: sends must queue
+        texts = {f"c{i}": ("Segment one of many here. " * 12) for i in range(6)}
+        for cid, text in texts.items():
+            await c.send(type="start", context_id=cid)
+            await c.send(type="text", context_id=cid, text=text)
+            await c.send(type="end", context_id=cid)
+        await asyncio.sleep(1.0)
+        assert any(conn.out.qsize() for conn in app.connections)  # the queue path engaged
+        c.ws.transport.resume_reading()
+        await c.until_all("done", set(texts), timeout=30)
+        for cid in texts:
+            started = c.got.of("segment_started", cid)
+            done_events = c.got.of("segment_done", cid)
+            stream = started[0]["stream"]
+            frames = [(h.segment, h.sequence, len(p)) for h, p in c.got.frames
+                      if h.stream == stream]
+            # per segment: sequence numbers 0..n-1 in order, and every sample arrived
+            for e in done_events:
+                seqs = [q for seg, q, _ in frames if seg == e["segment"]]
+                assert seqs == list(range(e["frames"]))
+                assert sum(n for seg, _, n in frames if seg == e["segment"]) == 2 * e["samples"]
+            assert [seg for seg, _, _ in frames] == sorted(seg for seg, _, _ in frames)
+
+
 async def test_many_clients_at_once():
     async with server() as (app, url):
         async def one(i):

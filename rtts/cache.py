@@ -159,8 +159,9 @@ class PhraseCache:
     def max_entry_samples(self) -> int:
         return int(self.config.max_entry_s * self.sample_rate)
 
-    def key(self, text: str, params: SynthParams, degraded: bool) -> str:
-        return cache_key(self.engine_id, text, params, degraded)
+    def key(self, text: str, params: SynthParams, degraded: bool) -> str | None:
+        """The cache key for this segment, or None when the cache is off."""
+        return cache_key(self.engine_id, text, params, degraded) if self.enabled else None
 
     async def start(self) -> None:
         if self.config.redis_url is None:

@@ -314,8 +314,7 @@ class App:
         try:
             for i, chunk in enumerate(chunks):
                 resampler = StreamingResampler(self.engine.sample_rate, msg.sample_rate)
-                ckey = (self.cache.key(chunk.text, msg.params, self.degraded)
-                        if self.cache.enabled else None)
+                ckey = self.cache.key(chunk.text, msg.params, self.degraded)
                 hit = await self.cache.get(ckey) if ckey is not None else None
                 if hit is not None:
                     parts.append(resampler.process(hit))
@@ -634,8 +633,7 @@ class ContextPipeline:
         while self.pending and len(self.inflight) < self.conn.cfg.lookahead_segments:
             job = self.pending.popleft()
             degraded = self.app.degraded
-            key = (cache.key(job.chunk.text, self.ctx.params, degraded)
-                   if cache.enabled and self.ctx.cache else None)
+            key = cache.key(job.chunk.text, self.ctx.params, degraded) if self.ctx.cache else None
             if key is not None and (hit := await cache.get(key)) is not None:
                 self.inflight.append((job, CachedStream(hit), None))
                 continue

@@ -1,19 +1,13 @@
 """`rtts bench` runs end to end (its numbers are for the README, not asserted here)."""
 
 import argparse
-import socket
 from pathlib import Path
 
 import pytest
 
+from procs import free_port
 from rtts.bench import bench_chattts, bench_fake, bench_soak
 from rtts.cli import build_parser
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.chattts

@@ -335,7 +335,7 @@ def _bake_weight_norm(chat: Any) -> None:
 SMALL_GEMM_ROWS = (2, 4)  # rows (batch x new tokens) where the transposed product wins
 
 
-def _small_batch_linears(model: Any) -> int:
+def _small_batch_linears(model: Any) -> None:
     """On CPU, compute the GPT's linear layers for 2-4 rows as ``(W @ x.T).T``.
 
     A decode step multiplies each weight matrix by one row per batch element. For 2-4
@@ -344,7 +344,6 @@ def _small_batch_linears(model: Any) -> int:
     like a matrix-vector product. Measured over 20 Llama layers of ChatTTS's shape,
     weights streaming from memory: 4 rows 125 -> 94 ms, 3 rows 212 -> 98 ms, 2 rows
     161 -> 93 ms; 1 row and 6+ rows are left to ``F.linear``, which wins there.
-    Returns how many layers were switched.
     """
     import types
 
@@ -362,12 +361,9 @@ def _small_batch_linears(model: Any) -> int:
             return y.reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
-    count = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear:
             module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
-            count += 1
-    return count
 
 
 def _refine_params(chat: Any, params: SynthParams) -> Any:

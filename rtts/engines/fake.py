@@ -98,8 +98,9 @@ class FakeEngine:
                 self._sleep(self.rtf * self.chunk_ms / 1000.0, batch)
 
     def _tone(self, freq: float, start: int, n: int) -> npt.NDArray[np.float32]:
-        """Samples [start, start + n) of the tone: sliced from one cached second, so the
-        test double costs next to nothing (it shares the GIL with the server's loop)."""
+        """Samples [start, start + n) of the tone, sliced from two cached seconds (so any
+        chunk up to a second is one slice): the test double costs next to nothing, and it
+        shares the GIL with the server's loop."""
         table = self._tables.get(freq)
         if table is None:
             # An integer frequency repeats exactly every second.

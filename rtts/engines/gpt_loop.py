@@ -88,8 +88,7 @@ class GptLoop:
         next_pos = position_ids[:, -1:] + 1  # (B, 1)
         live = torch.arange(batch, device=device)  # batch rows still computed, in order
         live_rows = list(range(batch))
-        generator = torch.Generator(device=device)
-        gen = generator.manual_seed(manual_seed) if manual_seed is not None else None
+        gen = torch.Generator(device=device) if manual_seed is not None else None
         temp = torch.tensor(temperature, dtype=torch.float32, device=device)
         limits_t = torch.tensor(list(limits), device=device)
         min_t = torch.tensor([max(1, m) for m in min_tokens], device=device)
@@ -127,7 +126,8 @@ class GptLoop:
                 if bool(early.any()):
                     logits[early, self.eos] = -torch.inf
                 scores = F.softmax(logits, dim=-1)
-                if gen is not None and manual_seed is not None:
+                if manual_seed is not None:
+                    assert gen is not None
                     gen.manual_seed(manual_seed)  # ChatTTS re-seeds at every step
                 drawn = torch.multinomial(scores, num_samples=1, generator=gen)
                 drawn = drawn.view(-1, num_vq)  # (b, vq)

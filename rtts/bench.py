@@ -233,6 +233,114 @@ async def bench_chattts(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+# -- kernels mode: GPT step time and accuracy per weight precision ---------------------
+
+
+def _step_ms(engine: Any, rows: int, steps: int) -> float:
+    """Median wall time of one decode step of ``rows`` rows (the engine's GPT, real
+    prompts, the installed kernels)."""
+    import torch
+
+    from .engines.base import SynthRequest
+    from .engines.gpt_loop import BatchedGpt
+    from .protocol import SynthParams
+
+    chat = engine.chat
+    gpt = BatchedGpt(chat.gpt, chat.config.gpt.num_vq, chat.config.gpt.num_audio_tokens - 1,
+                     slots=rows)
+    reqs = [SynthRequest(f"{BENCH_TEXT}, {i}.", SynthParams(seed=i), max_new_token=steps + 8)
+            for i in range(rows)]
+    times = []
+    with torch.no_grad():
+        gpt.add(engine._specs(reqs))
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            gpt.step()
+            times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times[2:])
+
+
+def _forced_logits(engine: Any, codes: Any | None, tokens: int) -> tuple[Any, Any]:
+    """Run one row for ``tokens`` steps; with ``codes`` (tokens, vq), feed those instead of
+    the drawn ones (teacher forcing). Returns (logits (tokens, vq, V), codes)."""
+    import torch
+
+    from .engines.base import SynthRequest
+    from .engines.gpt_loop import BatchedGpt
+    from .protocol import SynthParams
+
+    chat = engine.chat
+    gpt = BatchedGpt(chat.gpt, chat.config.gpt.num_vq, chat.config.gpt.num_audio_tokens - 1,
+                     slots=1)
+    req = SynthRequest(BENCH_TEXT + ".", SynthParams(seed=3), max_new_token=tokens)
+    with torch.no_grad():
+        spec = engine._specs([req])[0]
+        spec.min_tokens = tokens
+        [row] = gpt.add([spec])
+        while not row.finished:
+            if codes is not None:
+                row.codes[row.length - 1] = codes[row.length - 1]
+                row.last = codes[row.length - 1]
+            gpt.step()
+        h = row.hiddens[:tokens]
+        logits = torch.stack([head(h) for head in chat.gpt.head_code], 1).float()
+    return logits, row.codes[:tokens].clone()
+
+
+async def bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
+    from .engines.chattts_engine import configure_threads_env
+
+    configure_threads_env()
+    import torch
+
+    from .config import EngineConfig
+    from .engines.chattts_engine import ChatTTSEngine
+
+    torch.set_num_threads(args.threads)
+    cpu = _cpu_model()
+    out: dict[str, Any] = {"cpu": cpu, "threads": args.threads, "tokens": args.tokens,
+                           "dtypes": {}}
+    ref_logits = ref_codes = None
+    rows_list = [int(r) for r in args.rows.split(",")]
+    for dtype in args.dtypes.split(","):
+        engine = ChatTTSEngine(EngineConfig(source="custom", model_dir=args.model_dir,
+                                            threads=args.threads, dtype=dtype,
+                                            batch_rows=max(rows_list), kernels=args.kernels))
+        engine.load()
+        table = engine.kernel_table
+        res: dict[str, Any] = {"kernels": table.as_dict() if table else None}
+        res["step_ms"] = {r: _step_ms(engine, r, args.steps) for r in rows_list}
+        logits, codes = _forced_logits(engine, ref_codes, args.tokens)
+        if ref_logits is None:
+            ref_logits, ref_codes = logits, codes
+        cos = torch.nn.functional.cosine_similarity(
+            logits.flatten(0, 1), ref_logits.flatten(0, 1), dim=-1)
+        res["logits_cosine_mean"] = float(cos.mean())
+        res["logits_cosine_min"] = float(cos.min())
+        res["greedy_agreement"] = float(
+            (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
+        out["dtypes"][dtype] = res
+        print(f"{dtype}: {json.dumps(res)}", file=sys.stderr, flush=True)
+        engine.close()
+        del engine
+    base = out["dtypes"].get("fp32")
+    if base:
+        for res in out["dtypes"].values():
+            res["speedup_vs_fp32"] = {r: base["step_ms"][r] / ms
+                                      for r, ms in res["step_ms"].items()}
+    return out
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 # -- fake mode --------------------------------------------------------------------------
 
 
@@ -414,6 +522,15 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--text", default=BENCH_TEXT)
     c.add_argument("--repeat", type=int, default=2, help="alternating runs per setting")
     c.add_argument("--json", type=Path, default=None, help="also write results here")
+    kn = bsub.add_parser("kernels", help="GPT step time and accuracy per --dtype")
+    kn.add_argument("--model-dir", type=Path, required=True)
+    kn.add_argument("--dtypes", default="fp32,bf16,int8")
+    kn.add_argument("--rows", default="1,4", help="batch sizes to time")
+    kn.add_argument("--steps", type=int, default=24, help="decode steps timed per batch size")
+    kn.add_argument("--tokens", type=int, default=128, help="decode length for accuracy")
+    kn.add_argument("--kernels", default="auto", help="as rtts serve --kernels")
+    kn.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    kn.add_argument("--json", type=Path, default=None)
     f = bsub.add_parser("fake", help="server overhead with the fake engine")
     f.add_argument("--streams", type=int, default=200)
     f.add_argument("--idle", type=int, default=1000)
@@ -439,7 +556,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    runner = {"chattts": bench_chattts, "fake": bench_fake, "soak": bench_soak}[args.bench_mode]
+    runner = {"chattts": bench_chattts, "fake": bench_fake, "soak": bench_soak,
+              "kernels": bench_kernels}[args.bench_mode]
     out = asyncio.run(runner(args))
     text = json.dumps(out, indent=1)
     print(text)

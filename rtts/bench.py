@@ -233,6 +233,102 @@ async def bench_chattts(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+# -- staggered arrivals: continuous vs static batching ----------------------------------
+
+PARAGRAPH = ("Hello, thanks for waiting. The weather today is sunny with a light breeze. "
+             "Tomorrow brings rain in the afternoon, so take an umbrella.")
+
+
+def arrival_times(clients: int, gap_s: float, poisson: bool, seed: int) -> list[float]:
+    """Start offsets: every ``gap_s`` seconds, or a Poisson process of mean gap ``gap_s``."""
+    if not poisson:
+        return [i * gap_s for i in range(clients)]
+    import random
+
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(clients):
+        out.append(t)
+        t += rng.expovariate(1.0 / gap_s)
+    return out
+
+
+async def run_staggered(url: str, starts: list[float], text: str) -> list[StreamResult]:
+    async def client(i: int, at: float) -> StreamResult:
+        await asyncio.sleep(at)
+        return await one_stream(url, text, i)
+
+    return list(await asyncio.gather(*(client(i, at) for i, at in enumerate(starts))))
+
+
+def staggered_row(results: list[StreamResult]) -> dict[str, float]:
+    first = results[0].ttfa_s
+    late = [r.ttfa_s for r in results[1:]]
+    return {"first_ttfa_s": first, "late_ttfa_median_s": statistics.median(late),
+            "late_ttfa_max_s": max(late),
+            "late_median_ratio": statistics.median(late) / first,
+            "late_max_ratio": max(late) / first,
+            "wall_s": max(r.wall_s for r in results)}
+
+
+async def bench_staggered(args: argparse.Namespace) -> dict[str, Any]:
+    """Clients arriving one by one (``--arrivals N --gap S [--poisson]``), each streaming
+    a short paragraph, against two rtts servers in this process that differ only in
+    batching: static (a batch runs to its end; today's behaviour before continuous
+    batching) and continuous (arrivals join at the next step)."""
+    from .engines.chattts_engine import configure_threads_env
+
+    configure_threads_env()
+    import torch
+
+    from .cache import CacheConfig
+    from .config import EngineConfig, ServerConfig
+    from .engines.chattts_engine import ChatTTSEngine
+    from .scheduler import SchedulerConfig
+    from .server import bound_port, run_server
+
+    torch.set_num_threads(args.threads)
+    ecfg = EngineConfig(source="custom", model_dir=args.model_dir, device=args.device,
+                        threads=args.threads, fixed_tokens=args.tokens, dtype=args.dtype,
+                        stream_tokens=args.stream_tokens, batch_rows=args.slots)
+    base = ServerConfig(port=0, ping_interval_s=None, web_dir=None,
+                        cache=CacheConfig(memory_mb=0))
+    starts = arrival_times(args.arrivals, args.gap, args.poisson, args.seed)
+    out: dict[str, Any] = {"cpu": _cpu_model(), "threads": args.threads, "tokens": args.tokens,
+                           "slots": args.slots, "dtype": args.dtype, "arrivals": starts,
+                           "text": args.paragraph, "runs": {}}
+    urls: dict[str, str] = {}
+    modes = ("static", "continuous")
+    async with contextlib.AsyncExitStack() as stack:
+        for mode in modes:
+            engine = ChatTTSEngine(ecfg)
+            engine.load()
+            engine.warmup()
+            if engine.kernel_table is not None:
+                out["kernels"] = engine.kernel_table.as_dict()
+            sched = SchedulerConfig(max_batch_size=args.slots, max_wait_ms=20,
+                                    request_timeout_s=3600, batching=mode)
+            app = await stack.enter_async_context(
+                run_server(replace(base, scheduler=sched), engine, load=False))
+            await app.start_serving()
+            urls[mode] = f"ws://127.0.0.1:{bound_port(app)}{base.ws_path}"
+        for rep in range(args.repeat):
+            for mode in modes:
+                results = await run_staggered(urls[mode], starts, args.paragraph)
+                row = staggered_row(results)
+                row["ttfa_s"] = [r.ttfa_s for r in results]  # type: ignore[assignment]
+                out["runs"].setdefault(mode, []).append(row)
+                print(f"{mode:>10} run {rep + 1}: ttfa=" +
+                      ", ".join(f"{r.ttfa_s:.2f}" for r in results) +
+                      f"  late/first median {row['late_median_ratio']:.2f}x "
+                      f"max {row['late_max_ratio']:.2f}x", file=sys.stderr, flush=True)
+    for mode in modes:
+        rows = out["runs"][mode]
+        out[mode] = {k: statistics.median(r[k] for r in rows)
+                     for k in rows[0] if k != "ttfa_s"}
+    return out
+
+
 # -- kernels mode: GPT step time and accuracy per weight precision ---------------------
 
 
@@ -251,11 +347,19 @@ def _step_ms(engine: Any, rows: int, steps: int) -> float:
     reqs = [SynthRequest(f"{BENCH_TEXT}, {i}.", SynthParams(seed=i), max_new_token=steps + 8)
             for i in range(rows)]
     times = []
+    cuda = engine.device.startswith("cuda")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     with torch.no_grad():
         gpt.add(engine._specs(reqs))
         for _ in range(steps):
+            sync()
             t0 = time.perf_counter()
             gpt.step()
+            sync()
             times.append(time.perf_counter() - t0)
     return 1000 * statistics.median(times[2:])
 
@@ -304,7 +408,8 @@ async def bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
     rows_list = [int(r) for r in args.rows.split(",")]
     for dtype in args.dtypes.split(","):
         engine = ChatTTSEngine(EngineConfig(source="custom", model_dir=args.model_dir,
-                                            threads=args.threads, dtype=dtype,
+                                            device=args.device, threads=args.threads,
+                                            dtype=dtype,
                                             batch_rows=max(rows_list), kernels=args.kernels))
         engine.load()
         table = engine.kernel_table
@@ -522,6 +627,22 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--text", default=BENCH_TEXT)
     c.add_argument("--repeat", type=int, default=2, help="alternating runs per setting")
     c.add_argument("--json", type=Path, default=None, help="also write results here")
+    st = bsub.add_parser("staggered", help="clients arriving one by one: continuous vs "
+                         "static batching, time to first audio of the first vs the rest")
+    st.add_argument("--model-dir", type=Path, required=True)
+    st.add_argument("--arrivals", type=int, default=6, help="clients")
+    st.add_argument("--gap", type=float, default=1.5, help="seconds between arrivals (mean)")
+    st.add_argument("--poisson", action="store_true", help="Poisson arrivals, mean --gap")
+    st.add_argument("--seed", type=int, default=1, help="Poisson arrival seed")
+    st.add_argument("--slots", type=int, default=8, help="the servers' --max-batch-size")
+    st.add_argument("--tokens", type=int, default=64, help="GPT steps per segment")
+    st.add_argument("--stream-tokens", type=int, default=8)
+    st.add_argument("--dtype", default="fp32")
+    st.add_argument("--paragraph", default=PARAGRAPH)
+    st.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    st.add_argument("--device", default="auto")
+    st.add_argument("--repeat", type=int, default=1)
+    st.add_argument("--json", type=Path, default=None)
     kn = bsub.add_parser("kernels", help="GPT step time and accuracy per --dtype")
     kn.add_argument("--model-dir", type=Path, required=True)
     kn.add_argument("--dtypes", default="fp32,bf16,int8")
@@ -530,6 +651,7 @@ def add_parser(sub: Any) -> None:
     kn.add_argument("--tokens", type=int, default=128, help="decode length for accuracy")
     kn.add_argument("--kernels", default="auto", help="as rtts serve --kernels")
     kn.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    kn.add_argument("--device", default="auto")
     kn.add_argument("--json", type=Path, default=None)
     f = bsub.add_parser("fake", help="server overhead with the fake engine")
     f.add_argument("--streams", type=int, default=200)
@@ -557,7 +679,7 @@ def add_parser(sub: Any) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     runner = {"chattts": bench_chattts, "fake": bench_fake, "soak": bench_soak,
-              "kernels": bench_kernels}[args.bench_mode]
+              "kernels": bench_kernels, "staggered": bench_staggered}[args.bench_mode]
     out = asyncio.run(runner(args))
     text = json.dumps(out, indent=1)
     print(text)

@@ -49,7 +49,7 @@ class EngineConfig:
     compile: bool = False
     dtype: str = "fp32"  # GPT linear weights: fp32 | bf16 | int8 (weight-only)
     kernels: str = "auto"  # auto: measure at load; or force one path (see engines/kernels.py)
-    batch_rows: int = 4  # most rows a batch can have (the scheduler's slots): kernels timed 1..
+    batch_rows: int = 8  # most rows a batch can have (the scheduler's slots): kernels timed 1..
     fixed_tokens: int | None = None  # benchmarks: every segment exactly this many GPT steps
     fake_rtf: float = 0.0  # fake engine only
     fake_first_chunk_ms: float = 0.0  # fake engine only

@@ -54,13 +54,16 @@ logger = logging.getLogger("rtts.scheduler")
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_batch_size: int = 4
+    max_batch_size: int = 8  # rows (slots) of a batch
     max_wait_ms: float = 15.0
     concurrency: int = 1  # batches running at once on this device
     max_queue: int = 256  # requests waiting (not running) before submit() raises Overloaded
     request_timeout_s: float = 120.0  # per batch (static) or request (continuous), running
     batching: str = "continuous"  # continuous | static (fixed batches, nobody joins)
     degraded_slots: int | None = None  # slots of a continuous batch while degraded
+    # Slots that later segments (lookahead) leave free for streams' first segments, so a
+    # new stream starts at the next step; None = 3/8 of the slots (1 of 4, 3 of 8).
+    first_segment_slots: int | None = None
 
 
 class RequestStream:
@@ -192,6 +195,14 @@ class Scheduler:
             getattr(self.engine, "continuous", False))
 
     @property
+    def reserve(self) -> int:
+        """Free slots that only a stream's first segment may take (continuous)."""
+        n = self.config.first_segment_slots
+        if n is None:
+            n = self.config.max_batch_size * 3 // 8
+        return max(0, min(n, self.slot_limit - 1))
+
+    @property
     def slot_limit(self) -> int:
         """Rows a continuous batch may hold now (the governor shrinks it when degraded)."""
         if self.degraded and self.config.degraded_slots:
@@ -244,15 +255,21 @@ class Scheduler:
             return self._queue
 
     def _pick(self, n: int) -> list[RequestStream]:
-        """Take up to ``n`` waiting requests for a continuous batch (any thread): a
-        stream's first segment first, then oldest first; solo retries are not taken."""
+        """Take up to ``n`` waiting requests for a continuous batch (any thread) with
+        ``n`` free slots: a stream's first segment first, then oldest first; later
+        segments leave :attr:`reserve` slots free; solo retries are not taken."""
         if n <= 0:
             return []
         with self._qlock:
             live = [s for s in self._queue if not s.request.cancelled.is_set()]
             order = sorted((s for s in live if not s.solo),
                            key=lambda s: (s.request.priority, s.submitted_at))
-            chosen = order[:n]
+            chosen: list[RequestStream] = []
+            for s in order:
+                room = n - len(chosen) - (self.reserve if s.request.priority else 0)
+                if room <= 0:
+                    break
+                chosen.append(s)
             if chosen:
                 ids = {id(s) for s in chosen}
                 self._queue = [s for s in live if id(s) not in ids]

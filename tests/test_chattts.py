@@ -318,3 +318,46 @@ def test_finished_and_cancelled_rows_leave_and_free_their_slot(engine):
     assert gpt.forward_rows[5] == 1  # the step right after the cancel: a alone
     assert 2 in gpt.forward_rows[7:]  # c joined a's batch
     assert gpt.forward_rows[-1] == 1
+
+
+def test_engine_serve_admits_a_request_into_the_running_batch(engine):
+    """ChatTTSEngine.serve: the second request arrives while the first is generating,
+    joins its batch, and its audio is what it produces alone (same seed)."""
+    a = SynthRequest("The first request is longer.", SynthParams(seed=4), max_new_token=48)
+    b = SynthRequest("A late one.", SynthParams(seed=9, temperature=0.6), max_new_token=32)
+    alone = run(engine, [SynthRequest(b.text, b.params, max_new_token=32)])[0]
+    queue: list[SynthRequest] = [a]
+    frees: list[int] = []
+
+    def admit(free):
+        frees.append(free)
+        taken = queue[:free]
+        del queue[:free]
+        return taken
+
+    audio: dict[int, list[np.ndarray]] = {id(a): [], id(b): []}
+    ended = []
+    for request, chunk in engine.serve(admit, 4):
+        if chunk is None:
+            ended.append(request)
+            continue
+        audio[id(request)].append(chunk)
+        if request is a and len(audio[id(a)]) == 1:
+            queue.append(b)  # arrives while a's batch runs
+    assert ended.index(b) >= 0 and set(map(id, ended)) == {id(a), id(b)}
+    joined = np.concatenate(audio[id(b)])
+    assert len(joined) == len(alone)
+    assert np.allclose(joined, alone, atol=1e-3 * max(1e-6, float(np.abs(alone).max())) + 1e-5)
+    assert frees[0] == 4 and 3 in frees  # a took a slot, b took one of the 3 left
+
+
+def test_engine_measured_and_installed_its_linear_kernels(engine):
+    from rtts.engines import kernels
+
+    table = engine.kernel_table
+    assert table is not None and table.dtype == "fp32"
+    assert sorted(table.chosen) == [*range(1, engine.config.batch_rows + 1),
+                                    kernels.PREFILL_ROWS]
+    assert set(table.chosen.values()) <= {"linear", "transposed"}
+    layer = engine.chat.gpt.gpt.layers[0].self_attn.q_proj
+    assert hasattr(layer, "rtts_weights")  # the selected forward is installed

@@ -244,3 +244,17 @@ async def test_continuous_stop_fails_running_and_queued():
     for s in (a, b):
         with pytest.raises(EngineError):
             await collect(s)
+
+
+async def test_continuous_later_segments_leave_a_slot_for_first_segments():
+    engine = FakeEngine(ms_per_char=50, rtf=1.0, continuous=True)
+    sched = await started(engine, max_batch_size=4, max_wait_ms=10)  # reserve: 1 slot
+    assert sched.reserve == 1
+    later = [sched.submit(SynthRequest("l" * 20, SynthParams(), priority=1)) for _ in range(4)]
+    await asyncio.sleep(0.3)
+    assert [s.first_audio_at is not None for s in later] == [True, True, True, False]
+    loop = asyncio.get_running_loop()
+    first = sched.submit(SynthRequest("f" * 10, SynthParams(), priority=0))
+    assert await first_chunk_after(first, loop.time()) < 0.35  # the reserved slot
+    await asyncio.gather(*(collect(s) for s in [first, *later]))
+    await sched.stop()

@@ -51,6 +51,8 @@ __all__ = ["RequestStream", "Scheduler", "SchedulerConfig"]
 
 logger = logging.getLogger("rtts.scheduler")
 
+LATER_MAX_HOLD_S = 3.0  # a later segment waits at most this long for rows warming up
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -254,20 +256,28 @@ class Scheduler:
             self._queue = [s for s in self._queue if not s.request.cancelled.is_set()]
             return self._queue
 
-    def _pick(self, n: int) -> list[RequestStream]:
+    def _pick(self, n: int, warming: bool = False) -> list[RequestStream]:
         """Take up to ``n`` waiting requests for a continuous batch (any thread) with
-        ``n`` free slots: a stream's first segment first, then oldest first; later
-        segments leave :attr:`reserve` slots free; solo retries are not taken."""
+        ``n`` free slots: a stream's first segment first, then oldest first; solo retries
+        are not taken. Later segments leave :attr:`reserve` slots free, and wait while a
+        row of the batch (``warming``) or a first segment taken now has no audio yet --
+        their prefill would delay that first audio -- unless they have waited
+        ``LATER_MAX_HOLD_S`` already."""
         if n <= 0:
             return []
+        now = time.monotonic()
         with self._qlock:
             live = [s for s in self._queue if not s.request.cancelled.is_set()]
             order = sorted((s for s in live if not s.solo),
                            key=lambda s: (s.request.priority, s.submitted_at))
             chosen: list[RequestStream] = []
             for s in order:
-                room = n - len(chosen) - (self.reserve if s.request.priority else 0)
+                later = s.request.priority > 0
+                room = n - len(chosen) - (self.reserve if later else 0)
                 if room <= 0:
+                    break
+                if later and (warming or any(c.request.priority == 0 for c in chosen)) \
+                        and now - s.submitted_at < LATER_MAX_HOLD_S:
                     break
                 chosen.append(s)
             if chosen:
@@ -413,7 +423,8 @@ class Scheduler:
             if run.pending:
                 taken, run.pending = run.pending[:free], run.pending[free:]
             else:
-                taken = self._pick(min(free, self.slot_limit - run.live))
+                warming = any(s.first_audio_at is None for s in run.streams.values())
+                taken = self._pick(min(free, self.slot_limit - run.live), warming)
                 self.joined += len(taken)
             now = time.monotonic()
             for s in taken:

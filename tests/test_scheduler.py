@@ -258,3 +258,17 @@ async def test_continuous_later_segments_leave_a_slot_for_first_segments():
     assert await first_chunk_after(first, loop.time()) < 0.35  # the reserved slot
     await asyncio.gather(*(collect(s) for s in [first, *later]))
     await sched.stop()
+
+
+async def test_continuous_later_segment_waits_until_the_first_segment_has_audio():
+    """A lookahead segment's prefill would delay a first segment's first audio: it joins
+    once that first audio exists."""
+    engine = FakeEngine(ms_per_char=50, rtf=1.0, first_chunk_latency_ms=300, continuous=True)
+    sched = await started(engine, max_batch_size=8, max_wait_ms=10)
+    first = sched.submit(SynthRequest("f" * 10, SynthParams(), priority=0))
+    later = sched.submit(SynthRequest("l" * 10, SynthParams(), priority=1))
+    await asyncio.gather(collect(first), collect(later))
+    assert engine.batches == [1, 2]  # the later one joined, after the first's audio
+    assert later.admitted_at is not None and first.first_audio_at is not None
+    assert later.admitted_at >= first.first_audio_at
+    await sched.stop()

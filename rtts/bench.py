@@ -175,7 +175,8 @@ async def bench_chattts(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     ecfg = EngineConfig(source="custom", model_dir=args.model_dir, device=args.device,
                         threads=args.threads, fixed_tokens=args.tokens,
-                        stream_tokens=args.stream_tokens)
+                        stream_tokens=args.stream_tokens, dtype=args.dtype,
+                        batch_rows=args.streams)
     # No phrase cache: every run must synthesize (the runs repeat the same text).
     base = ServerConfig(port=0, ping_interval_s=None, web_dir=None,
                         cache=CacheConfig(memory_mb=0))
@@ -185,8 +186,9 @@ async def bench_chattts(args: argparse.Namespace) -> dict[str, Any]:
         ("rtts", ChatTTSEngine,
          SchedulerConfig(max_batch_size=args.streams, max_wait_ms=20, request_timeout_s=3600)),
     ]
-    out: dict[str, Any] = {"tokens": args.tokens, "threads": args.threads,
-                           "repeat": args.repeat, "model_rss_mb": {}, "runs": {}}
+    out: dict[str, Any] = {"tokens": args.tokens, "threads": args.threads, "cpu": _cpu_model(),
+                           "dtype": args.dtype, "repeat": args.repeat, "model_rss_mb": {},
+                           "runs": {}}
     proc = psutil.Process()
     urls: dict[str, str] = {}
     samples: dict[str, list[dict[str, float]]] = {}
@@ -203,6 +205,9 @@ async def bench_chattts(args: argparse.Namespace) -> dict[str, Any]:
                                                    max_new_token=16)]):
                 pass
             out["device"] = engine.device
+            table = getattr(engine, "kernel_table", None)
+            if table is not None:
+                out["kernels"] = table.as_dict()
             out["model_rss_mb"][name] = (proc.memory_info().rss - rss0) / 2**20
             print(f"{name}: loaded {args.model_dir} on {engine.device} in "
                   f"{time.perf_counter() - t:.1f}s", file=sys.stderr)
@@ -624,6 +629,7 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--stream-tokens", type=int, default=8)
     c.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     c.add_argument("--device", default="auto")
+    c.add_argument("--dtype", default="fp32", help="the rtts server's --dtype")
     c.add_argument("--text", default=BENCH_TEXT)
     c.add_argument("--repeat", type=int, default=2, help="alternating runs per setting")
     c.add_argument("--json", type=Path, default=None, help="also write results here")

@@ -303,7 +303,7 @@ async def bench_staggered(args: argparse.Namespace) -> dict[str, Any]:
                            "slots": args.slots, "dtype": args.dtype, "arrivals": starts,
                            "text": args.paragraph, "runs": {}}
     urls: dict[str, str] = {}
-    modes = ("static", "continuous")
+    modes = tuple(args.modes.split(","))
     async with contextlib.AsyncExitStack() as stack:
         for mode in modes:
             engine = ChatTTSEngine(ecfg)
@@ -648,6 +648,8 @@ def add_parser(sub: Any) -> None:
     st.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     st.add_argument("--device", default="auto")
     st.add_argument("--repeat", type=int, default=1)
+    st.add_argument("--modes", default="static,continuous",
+                    help="batching modes compared (comma-separated)")
     st.add_argument("--json", type=Path, default=None)
     kn = bsub.add_parser("kernels", help="GPT step time and accuracy per --dtype")
     kn.add_argument("--model-dir", type=Path, required=True)

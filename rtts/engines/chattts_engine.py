@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -295,8 +296,12 @@ class ChatTTSEngine:
                 gpt.evict_done()
                 new = list(admit(gpt.free_slots)) if gpt.free_slots else []
                 if new:
+                    t0 = time.perf_counter()
                     rows = gpt.add(self._specs(new))
                     live += [_Live(r, row) for r, row in zip(new, rows, strict=True)]
+                    logger.debug("joined %d (prefill %.0f ms): %d rows live at step %d",
+                                 len(new), 1000 * (time.perf_counter() - t0),
+                                 len(gpt.rows), gpt.steps)
                 if not live:
                     return
                 if gpt.rows:

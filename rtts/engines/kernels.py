@@ -232,4 +232,5 @@ def _patch(module: Any, w: _Weights, by_rows: dict[int, Callable[[_Weights, Any]
         # The module's own fp32 parameter is no longer read: free it.
         import torch
 
-        module.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        module.weight = torch.nn.Parameter(torch.empty(0, device=module.weight.device),
+                                           requires_grad=False)

@@ -312,7 +312,9 @@ async def bench_staggered(args: argparse.Namespace) -> dict[str, Any]:
             if engine.kernel_table is not None:
                 out["kernels"] = engine.kernel_table.as_dict()
             sched = SchedulerConfig(max_batch_size=args.slots, max_wait_ms=20,
-                                    request_timeout_s=3600, batching=mode)
+                                    request_timeout_s=3600, batching=mode,
+                                    first_segment_slots=args.first_segment_slots,
+                                    later_hold_s=args.later_hold)
             app = await stack.enter_async_context(
                 run_server(replace(base, scheduler=sched), engine, load=False))
             await app.start_serving()
@@ -642,6 +644,9 @@ def add_parser(sub: Any) -> None:
     st.add_argument("--seed", type=int, default=1, help="Poisson arrival seed")
     st.add_argument("--slots", type=int, default=8, help="the servers' --max-batch-size")
     st.add_argument("--tokens", type=int, default=64, help="GPT steps per segment")
+    st.add_argument("--first-segment-slots", type=int, default=None,
+                    help="as rtts serve --first-segment-slots")
+    st.add_argument("--later-hold", type=float, default=3.0, help="as rtts serve --later-hold")
     st.add_argument("--stream-tokens", type=int, default=8)
     st.add_argument("--dtype", default="fp32")
     st.add_argument("--paragraph", default=PARAGRAPH)

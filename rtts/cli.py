@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=SchedulerConfig.batching,
                    help="continuous: requests join a running batch at its next step; "
                         "static: a batch runs to its end before the next one starts")
+    s.add_argument("--first-segment-slots", type=int, default=None,
+                   help="slots later segments leave free for new streams (default 3/8)")
+    s.add_argument("--later-hold", type=float, default=SchedulerConfig.later_hold_s,
+                   help="seconds a later segment may wait while a new stream warms up")
     s.add_argument("--degraded-slots", type=int, default=None,
                    help="while the load governor is degraded, at most this many slots")
     s.add_argument("--max-wait-ms", type=float, default=SchedulerConfig.max_wait_ms)
@@ -122,6 +126,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             concurrency=args.concurrency, max_queue=args.max_queue,
             request_timeout_s=args.request_timeout, batching=args.batching,
             degraded_slots=args.degraded_slots,
+            first_segment_slots=args.first_segment_slots, later_hold_s=args.later_hold,
         ),
         limits=replace(base.limits, max_contexts=args.max_contexts),
         instance_id=args.instance_id or base.instance_id,

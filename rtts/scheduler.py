@@ -51,8 +51,6 @@ __all__ = ["RequestStream", "Scheduler", "SchedulerConfig"]
 
 logger = logging.getLogger("rtts.scheduler")
 
-LATER_MAX_HOLD_S = 3.0  # a later segment waits at most this long for rows warming up
-
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -66,6 +64,9 @@ class SchedulerConfig:
     # Slots that later segments (lookahead) leave free for streams' first segments, so a
     # new stream starts at the next step; None = 3/8 of the slots (1 of 4, 3 of 8).
     first_segment_slots: int | None = None
+    # A later segment waits at most this long while a first segment in the batch has no
+    # audio yet (its prefill would delay that first audio); 0 = never waits.
+    later_hold_s: float = 3.0
 
 
 class RequestStream:
@@ -262,7 +263,7 @@ class Scheduler:
         are not taken. Later segments leave :attr:`reserve` slots free, and wait while a
         row of the batch (``warming``) or a first segment taken now has no audio yet --
         their prefill would delay that first audio -- unless they have waited
-        ``LATER_MAX_HOLD_S`` already."""
+        ``later_hold_s`` already."""
         if n <= 0:
             return []
         now = time.monotonic()
@@ -277,7 +278,7 @@ class Scheduler:
                 if room <= 0:
                     break
                 if later and (warming or any(c.request.priority == 0 for c in chosen)) \
-                        and now - s.submitted_at < LATER_MAX_HOLD_S:
+                        and now - s.submitted_at < self.config.later_hold_s:
                     break
                 chosen.append(s)
             if chosen:

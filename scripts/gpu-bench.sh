@@ -23,14 +23,12 @@ case "$mode" in
     plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
           --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
     for w in "${WHEELS[@]}"; do
-      if [ "$w" = chattts==0.2.5 ]; then  # sdist only on PyPI: build a pure-python wheel
+      # a wheel for CPython $PYV, else a pure-python one, else build one from the sdist
+      # (chattts and encodec publish only sdists; both are pure Python)
+      python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" \
+          --implementation cp "${plat[@]}" -d .whl "$w" 2>/dev/null ||
+        python3 -m pip download -q --no-deps --only-binary=:all: -d .whl "$w" 2>/dev/null ||
         python3 -m pip wheel -q --no-deps -w .whl "$w"
-      else
-        python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" \
-          --implementation cp "${plat[@]}" -d .whl "$w" ||
-        python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" \
-          --implementation py -d .whl "$w"
-      fi
     done
     python3 -m pip wheel -q --no-deps -w .whl .   # rtts itself
     ls -la .whl

@@ -99,7 +99,10 @@ def _en_number(num: str) -> str:
 
 
 def _zh_number(num: str) -> str:
-    return _an2cn(_plain(num))
+    words = _an2cn(_plain(num))
+    if len(words) > 1 and words[0] == "二" and words[1] in "百千万亿":
+        words = "两" + words[1:]  # 两千, 两万: how it is said
+    return words
 
 
 def _en_year(year: int) -> str:
@@ -114,6 +117,10 @@ def _long_digit_string(num: str) -> bool:
     """Read digit by digit: leading zeros (007, 0571) or 9+ unformatted digits (ids)."""
     return "," not in num and "." not in num and len(num) > 1 and (
         num[0] == "0" or len(num) >= 9)
+
+
+def _year_like(num: str) -> bool:
+    return len(num) == 4 and num.isdigit() and 1100 <= int(num) <= 2099
 
 
 def _strip_zeros(num: str) -> str:
@@ -231,18 +238,19 @@ _UNIT_RE = "|".join(re.escape(u) for u in sorted(_UNITS, key=len, reverse=True))
 _MONEY_SIGN_RE = r"US\$|HK\$|[$€£¥￥]"
 _CODE_RE = r"USD|HKD|EUR|GBP|CNY|RMB|JPY"
 _SCALE_RE = r"[kK](?![A-Za-z])|thousand|million|billion|trillion|千万|百万|万|亿"
-_NEG = r"(?<![\w.])[-−]"
+_NEG = r"(?<![A-Za-z0-9.])[-−]"
 
 _PATTERNS: list[tuple[str, str]] = [
     ("tag", r"\[[A-Za-z_]\w*\]"),
     ("ver", r"(?<![A-Za-z0-9])[vV](?P<ver_n>\d+(?:\.\d+)*)"),
     ("iso", r"(?<![\d.])(?P<iso_y>\d{4})(?P<iso_sep>[-/.])(?P<iso_m>0?[1-9]|1[0-2])(?P=iso_sep)"
-            r"(?P<iso_d>[12]\d|3[01]|0?[1-9])(?![\d.])"),
+            r"(?P<iso_d>[12]\d|3[01]|0?[1-9])(?!\d)(?!\.\d)"),
     ("mdy", r"(?<![\d.])(?P<mdy_m>0?[1-9]|1[0-2])/(?P<mdy_d>[12]\d|3[01]|0?[1-9])/"
             r"(?P<mdy_y>\d{4})(?!\d)"),
     ("dots", r"(?<![\d.])\d+(?:\.\d+){2,}"),
     ("zhyear", r"(?<![\d.,])\d{4}(?=\s*年)"),
-    ("md", rf"\b(?P<md_m>{_MONTH_RE})\.?\s+(?P<md_d>[12]\d|3[01]|0?[1-9])(?:st|nd|rd|th)?(?![\d:])"
+    ("md", rf"(?<![A-Za-z])(?P<md_m>{_MONTH_RE})\.?\s+(?P<md_d>[12]\d|3[01]|0?[1-9])"
+           r"(?:st|nd|rd|th)?(?![\d:])"
            r"(?:,?\s+(?P<md_y>\d{4})(?!\d))?"),
     ("dm", rf"(?<![\d.])(?P<dm_d>[12]\d|3[01]|0?[1-9])(?:st|nd|rd|th)?\s+(?P<dm_m>{_MONTH_RE})\b"
            r"(?:,?\s+(?P<dm_y>\d{4})(?!\d))?"),
@@ -257,28 +265,31 @@ _PATTERNS: list[tuple[str, str]] = [
              r"(?:\s*(?P<t_ap>[AaPp])(?:\.[Mm]\.?|[Mm])(?![A-Za-z]))?"),
     ("hap", r"(?<![\d.:])(?P<hap_h>1[0-2]|0?[1-9])\s*(?P<hap_ap>[AaPp])(?:\.[Mm]\.?|[Mm])"
             r"(?![A-Za-z])"),
-    ("ext", r"(?P<ext_w>\b(?:[Ee]xt|EXT)\.?|\b[Ee]xtension|分机号?)\s*(?P<ext_n>\d{1,6})(?!\d)"),
-    ("kw", r"(?P<kw_w>\b(?:[Cc]all|CALL|[Dd]ial|PIN|[Cc]ode)\b|拨打|报警电话|急救电话|热线|号码|"
-           r"电话|验证码|编号|工号|尾号)\s*(?:是|为|is\s+)?(?P<kw_n>\d{2,})(?![\d.,])"),
+    ("ext", r"(?P<ext_w>(?<![A-Za-z])(?:[Ee]xt|EXT)\.?|(?<![A-Za-z])[Ee]xtension|分机号?)"
+            r"\s*(?P<ext_n>\d{1,6})(?!\d)"),
+    ("kw", r"(?P<kw_w>(?<![A-Za-z])(?:[Cc]all|CALL|[Dd]ial|PIN|[Cc]ode)(?![A-Za-z])"
+           r"|拨打|报警电话|急救电话|热线|号码|"
+           r"电话|验证码|编号|工号|尾号)\s*(?:是|为|is\s+)?(?P<kw_n>\d{2,})(?![\d.,-])"),
     ("e911", r"(?<![\d.,])911(?![\d.,%])"),
     ("rng", rf"(?<![\d.,])(?P<r_a>{_NUM})(?P<r_ap>[%％])?(?P<r_sep>\s*[~～〜]\s*|[-–])"
             rf"(?P<r_b>{_NUM})(?P<r_bp>[%％])?(?:\s?(?P<r_u>{_UNIT_RE})(?![A-Za-z]))?"),
     ("cur", rf"(?P<cur_neg>{_NEG})?(?P<cur_s>{_MONEY_SIGN_RE})\s?(?P<cur_n>{_NUM})"
             rf"(?:\s?(?P<cur_m>{_SCALE_RE}))?"),
-    ("codep", rf"\b(?P<codep_c>{_CODE_RE})\s?(?P<codep_n>{_NUM})(?:\s?(?P<codep_m>{_SCALE_RE}))?"),
+    ("codep", rf"(?<![A-Za-z])(?P<codep_c>{_CODE_RE})\s?(?P<codep_n>{_NUM})"
+              rf"(?:\s?(?P<codep_m>{_SCALE_RE}))?"),
     ("codes", rf"(?<![\d.,])(?P<codes_n>{_NUM})(?:\s?(?P<codes_m>{_SCALE_RE}))?\s?"
-              rf"(?P<codes_c>{_CODE_RE})\b"),
+              rf"(?P<codes_c>{_CODE_RE})(?![A-Za-z])"),
     ("pct", rf"(?P<pct_neg>{_NEG})?(?P<pct_n>{_NUM})\s?(?P<pct_s>[%％‰])"),
     ("ord", r"(?<![\d.,])(?P<ord_n>\d+)(?:st|nd|rd|th)(?![A-Za-z])"),
     ("frac", r"(?<![\d/.])(?P<fr_a>\d{1,3})/(?P<fr_b>\d{1,3})(?![\d/])"),
     ("dec", r"(?<![\d.,])(?P<dec_n>1\d{2}0|20\d0)s(?![A-Za-z])"),
     ("unit", rf"(?P<u_neg>{_NEG})?(?P<u_n>{_NUM})\s?(?P<u_u>{_UNIT_RE})(?![A-Za-z])"),
     ("hashn", r"#(?P<hashn_n>\d+)"),
-    ("no", r"\bNo\.\s?(?P<no_n>\d+)"),
+    ("no", r"(?<![A-Za-z])No\.\s?(?P<no_n>\d+)"),
     ("num", rf"(?P<num_neg>{_NEG})?(?P<num_n>{_NUM})"),
     ("sym", r"[&+=@#×÷]"),
     ("hy", r"(?<=[A-Za-z])-(?=[A-Za-z])"),
-    ("punct", r"\.{3,}|[?？!！;；:：…]+|[()（）【】「」『』《》]|[\"“”]|[—–~]+|[/*^|_\\<>`{}]"),
+    ("punct", r"\.{3,}|[?？!！;；:：…]+|[()（）【】「」『』《》]|[\"“”]|[—–－~]+|[/*^|_\\<>`{}]"),
 ]
 _MASTER = re.compile("|".join(f"(?P<{name}>{pat})" for name, pat in _PATTERNS))
 _TAG = re.compile(r"\[[A-Za-z_]\w*\]")
@@ -338,12 +349,30 @@ class _Pass:
                 return s
         return self.hint or "en"
 
+    def _clause_majority(self, start: int, end: int) -> Lang | None:
+        """zh if the clause around [start, end) has more CJK characters than Latin words."""
+        masked, lo, hi = self.masked, start, end
+        while lo > 0 and not _is_separator(masked, lo - 1):
+            lo -= 1
+        while hi < len(masked) and not _is_separator(masked, hi):
+            hi += 1
+        around = masked[lo:start] + " " + masked[end:hi]
+        cjk = sum(1 for ch in around if _script(ch) == "zh")
+        words = len(re.findall(r"[A-Za-z]+", around))
+        if not cjk and not words:
+            return None
+        return "zh" if cjk > words else "en"
+
     def lang(self, start: int, end: int) -> Lang:
+        if any(_script(ch) == "zh" for ch in self.masked[start:end]):
+            return "zh"  # 拨打110, 2026年
         left, right = self._scan(start - 1, -1), self._scan(end, 1)
         if "zh" in (left, right):
             return "zh"
-        if "en" in (left, right):
+        if left == right == "en":
             return "en"
+        if "en" in (left, right):  # one side English, the other the clause's end
+            return self._clause_majority(start, end) or "en"
         return self._before(start)
 
     def lang_left(self, start: int) -> Lang:
@@ -452,13 +481,21 @@ class _Pass:
             words += f" {ap.lower()} m"
         return words
 
+    def _ends_sentence(self, m: re.Match[str]) -> str:
+        """A full stop if the match took the sentence's own ("at 5 p.m."), else nothing."""
+        end = m.end()
+        return "." if m.group().endswith(".") and (
+            end >= len(self.text) or self.text[end].isspace()) else ""
+
     def _time(self, m: re.Match[str], lang: Lang) -> str:
         s = m.group("t_s")
         return self._clock(lang, int(m.group("t_h")), int(m.group("t_m")),
-                           int(s) if s else None, m.group("t_ap"))
+                           int(s) if s else None, m.group("t_ap")) + (
+            self._ends_sentence(m) if lang == "en" else "")
 
     def _hap(self, m: re.Match[str], lang: Lang) -> str:
-        return self._clock(lang, int(m.group("hap_h")), 0, None, m.group("hap_ap"))
+        return self._clock(lang, int(m.group("hap_h")), 0, None, m.group("hap_ap")) + (
+            self._ends_sentence(m) if lang == "en" else "")
 
     def _ext(self, m: re.Match[str], lang: Lang) -> str:
         digits = m.group("ext_n")
@@ -572,7 +609,8 @@ class _Pass:
         if lang == "zh":
             amount = "两" if num == "2" and unit not in ("°", "°C", "℃", "°F", "℉") else (
                 _zh_number(num))
-            return ("零下" if neg and "度" in zh else "负" if neg else "") + amount + zh
+            sign = "" if self.text[:m.start()].endswith("零下") else "零下" if "度" in zh else "负"
+            return (sign if neg else "") + amount + zh
         return ("minus " if neg else "") + _en_number(num) + " " + (
             one if _plain(num) == "1" else many)
 
@@ -590,12 +628,15 @@ class _Pass:
             return _zh_digits(num) if lang == "zh" else _en_digits(num)
         if lang == "zh":
             after = self.text[m.end():m.end() + 2]
-            if num == "2" and not neg and after.startswith(_LIANG_NEXT):
+            if (num == "2" and not neg and after.startswith(_LIANG_NEXT)
+                    and not self.text[:m.start()].endswith("第")):
                 return "两"
             return ("负" if neg else "") + _zh_number(num)
-        if (not neg and len(num) == 4 and num.isdigit() and 1100 <= int(num) <= 2099):
+        if not neg and _year_like(num):
             words = self.text[:m.start()].split()
-            if words and words[-1].lower().strip("(") in _YEAR_WORDS:
+            if words and (words[-1].lower().strip("(") in _YEAR_WORDS or (
+                    words[-1] in ("to", "and", "until", "through") and len(words) > 1
+                    and _year_like(words[-2]) and words[-3:-2] != ["and"])):
                 return _en_year(int(num))
         return ("minus " if neg else "") + _en_number(num)
 
@@ -613,7 +654,7 @@ class _Pass:
             return "。" if zh else "..."
         if p[0] in "?？!！":
             return "。" if zh else "."
-        if p[0] in ";；:：()（）【】「」『』《》—–":
+        if p[0] in ";；:：()（）【】「」『』《》—–－":
             return "，" if zh else ", "
         if p[0] in "\"“”":
             return ""
@@ -621,7 +662,8 @@ class _Pass:
 
 
 _SPACES = re.compile(r"[ \t]{2,}")
-_CJK_SPACE = re.compile(r"(?<=[\u3400-\u9fff，。、])[ \t]+|[ \t]+(?=[\u3400-\u9fff，。、])")
+_CJK_SPACE = re.compile(r"(?<=[\u3400-\u9fff，。、])[ \t]+(?=[\u3400-\u9fff，。、])"
+                        r"|[ \t]+(?=[，。、])")
 _SPACE_BEFORE_MARK = re.compile(r"[ \t]+(?=[,.])")
 _COMMA_THEN_STOP = re.compile(r"[，,、]+(?=[。.])")
 _STOP_THEN_COMMA = re.compile(r"(?<=[。.])[ \t]*[，,、]+")

@@ -433,6 +433,25 @@ def test_streamed_paragraphs_say_the_same_as_the_whole(cases, sizes):
     assert canonical(stream(written, sizes, DEFAULT_SCHEDULE)) == canonical(normalize(written))
 
 
+# Random text made of the pieces numbers are written with: never fails, leaves no digit,
+# and streamed in random pieces says the same words as the whole.
+FUZZ_PIECES = [*"0123456789 .,:-/%$€¥年月日点分号个kmgs abAM你好在了，。？！～~()v\n",
+               "+1", "C++", "& b", "#1", "@x", "１２", "٣", "May ", "Call ", "ext. ", "in ", "USD",
+               "第", "拨打", "°C", "p.m.", "km", "1e5", "99999999999999999999999999999999",
+               "1,000,000,000,000,000,000,000,000,000,000,000"]
+WORDS = re.compile(r"[A-Za-z']+|[\u3400-\u9fff]")
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.sampled_from(FUZZ_PIECES), max_size=30),
+       st.lists(st.integers(1, 7), min_size=1, max_size=8), st.sampled_from(SCHEDULES))
+def test_fuzz_never_fails_leaves_no_digit_and_streams_the_same(pieces, sizes, schedule):
+    written = "".join(pieces)
+    whole = normalize(written)
+    assert not re.search(r"[0-9]", whole)
+    assert WORDS.findall(stream(written, sizes, schedule)) == WORDS.findall(whole)
+
+
 # -- what reaches ChatTTS -------------------------------------------------------------------
 
 # ChatTTS/norm.py, Normalizer.reject_pattern: every other character is deleted

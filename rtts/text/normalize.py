@@ -91,6 +91,13 @@ def _zh_digits(digits: str, phone: bool = False) -> str:
     return out.replace("一", "幺") if phone else out
 
 
+def _digit_by_digit(text: str, lang: Lang) -> str:
+    """Last resort: digits one by one, everything else as it was."""
+    if lang == "zh":
+        return "".join(_ZH_DIGITS[int(ch)] if "0" <= ch <= "9" else ch for ch in text)
+    return " ".join(_EN_DIGITS[int(ch)] if "0" <= ch <= "9" else ch for ch in text)
+
+
 def _en_number(num: str) -> str:
     """Cardinal or decimal: "1,234.50" -> "one thousand two hundred thirty four point five zero"."""
     whole, _, frac = _plain(num).partition(".")
@@ -248,50 +255,53 @@ _PATTERNS: list[tuple[str, str]] = [
     ("mdy", r"(?<![\d.])(?P<mdy_m>0?[1-9]|1[0-2])/(?P<mdy_d>[12]\d|3[01]|0?[1-9])/"
             r"(?P<mdy_y>\d{4})(?!\d)"),
     ("dots", r"(?<![\d.])\d+(?:\.\d+){2,}"),
-    ("zhyear", r"(?<![\d.,])\d{4}(?=\s*年)"),
-    ("md", rf"(?<![A-Za-z])(?P<md_m>{_MONTH_RE})\.?\s+(?P<md_d>[12]\d|3[01]|0?[1-9])"
+    ("zhyear", r"(?<![\d.,])\d{4}(?=[ \t]*年)"),
+    ("md", rf"(?<![A-Za-z])(?P<md_m>{_MONTH_RE})\.?[ \t]+(?P<md_d>[12]\d|3[01]|0?[1-9])"
            r"(?:st|nd|rd|th)?(?![\d:])"
-           r"(?:,?\s+(?P<md_y>\d{4})(?!\d))?"),
-    ("dm", rf"(?<![\d.])(?P<dm_d>[12]\d|3[01]|0?[1-9])(?:st|nd|rd|th)?\s+(?P<dm_m>{_MONTH_RE})\b"
-           r"(?:,?\s+(?P<dm_y>\d{4})(?!\d))?"),
+           r"(?:,?[ \t]+(?P<md_y>\d{4})(?!\d))?"),
+    ("dm", rf"(?<![\d.])(?P<dm_d>[12]\d|3[01]|0?[1-9])(?:st|nd|rd|th)?[ \t]+(?P<dm_m>{_MONTH_RE})\b"
+           r"(?:,?[ \t]+(?P<dm_y>\d{4})(?!\d))?"),
     ("phone", r"\+\d{1,3}(?:[ -]\(?\d{1,4}\)?){2,4}(?!\d)"
-              r"|\(\d{3}\)\s?\d{3}-\d{4}(?!\d)"
+              r"|\(\d{3}\)[ \t]?\d{3}-\d{4}(?!\d)"
               r"|(?<![\d.])1[3-9]\d-\d{4}-\d{4}(?!\d)"
               r"|(?<![\d.])\d{3}-\d{3}-\d{4}(?!\d)"
               r"|(?<![\d.])0\d{2,3}-\d{7,8}(?!\d)"
               r"|(?<![\d.,])1[3-9]\d{9}(?![\d.])"
               r"|(?<![\d.,-])[2-9]\d{2}-\d{4}(?![\d.-])"),
     ("time", r"(?<![\d:.])(?P<t_h>[01]?\d|2[0-4]):(?P<t_m>[0-5]\d)(?::(?P<t_s>[0-5]\d))?(?![\d:])"
-             r"(?:\s*(?P<t_ap>[AaPp])(?:\.[Mm]\.?|[Mm])(?![A-Za-z]))?"),
-    ("hap", r"(?<![\d.:])(?P<hap_h>1[0-2]|0?[1-9])\s*(?P<hap_ap>[AaPp])(?:\.[Mm]\.?|[Mm])"
+             r"(?:[ \t]*(?P<t_ap>[AaPp])(?:\.[Mm]\.?|[Mm])(?![A-Za-z]))?"),
+    ("hap", r"(?<![\d.:])(?P<hap_h>1[0-2]|0?[1-9])[ \t]*(?P<hap_ap>[AaPp])(?:\.[Mm]\.?|[Mm])"
             r"(?![A-Za-z])"),
     ("ext", r"(?P<ext_w>(?<![A-Za-z])(?:[Ee]xt|EXT)\.?|(?<![A-Za-z])[Ee]xtension|分机号?)"
-            r"\s*(?P<ext_n>\d{1,6})(?!\d)"),
+            r"[ \t]*(?P<ext_n>\d{1,6})(?!\d)"),
     ("kw", r"(?P<kw_w>(?<![A-Za-z])(?:[Cc]all|CALL|[Dd]ial|PIN|[Cc]ode)(?![A-Za-z])"
            r"|拨打|报警电话|急救电话|热线|号码|"
-           r"电话|验证码|编号|工号|尾号)\s*(?:是|为|is\s+)?(?P<kw_n>\d{2,})(?![\d.,-])"),
+           r"电话|验证码|编号|工号|尾号)[ \t]*(?:是|为|is[ \t]+)?(?P<kw_n>\d{2,})(?![\d.,-])"),
     ("e911", r"(?<![\d.,])911(?![\d.,%])"),
-    ("rng", rf"(?<![\d.,])(?P<r_a>{_NUM})(?P<r_ap>[%％])?(?P<r_sep>\s*[~～〜]\s*|[-–])"
-            rf"(?P<r_b>{_NUM})(?P<r_bp>[%％])?(?:\s?(?P<r_u>{_UNIT_RE})(?![A-Za-z]))?"),
-    ("cur", rf"(?P<cur_neg>{_NEG})?(?P<cur_s>{_MONEY_SIGN_RE})\s?(?P<cur_n>{_NUM})"
-            rf"(?:\s?(?P<cur_m>{_SCALE_RE}))?"),
-    ("codep", rf"(?<![A-Za-z])(?P<codep_c>{_CODE_RE})\s?(?P<codep_n>{_NUM})"
-              rf"(?:\s?(?P<codep_m>{_SCALE_RE}))?"),
-    ("codes", rf"(?<![\d.,])(?P<codes_n>{_NUM})(?:\s?(?P<codes_m>{_SCALE_RE}))?\s?"
+    ("rng", rf"(?<![\d.,])(?P<r_a>{_NUM})(?P<r_ap>[%％])?(?P<r_sep>[ \t]*[~～〜][ \t]*|[-–])"
+            rf"(?P<r_b>{_NUM})(?P<r_bp>[%％])?(?:[ \t]?(?P<r_u>{_UNIT_RE})(?![A-Za-z]))?"),
+    ("cur", rf"(?P<cur_neg>{_NEG})?(?P<cur_s>{_MONEY_SIGN_RE})[ \t]?(?P<cur_n>{_NUM})"
+            rf"(?:[ \t]?(?P<cur_m>{_SCALE_RE}))?"),
+    ("codep", rf"(?<![A-Za-z])(?P<codep_c>{_CODE_RE})[ \t]?(?P<codep_n>{_NUM})"
+              rf"(?:[ \t]?(?P<codep_m>{_SCALE_RE}))?"),
+    ("codes", rf"(?<![\d.,])(?P<codes_n>{_NUM})(?:[ \t]?(?P<codes_m>{_SCALE_RE}))?[ \t]?"
               rf"(?P<codes_c>{_CODE_RE})(?![A-Za-z])"),
-    ("pct", rf"(?P<pct_neg>{_NEG})?(?P<pct_n>{_NUM})\s?(?P<pct_s>[%％‰])"),
+    ("pct", rf"(?P<pct_neg>{_NEG})?(?P<pct_n>{_NUM})[ \t]?(?P<pct_s>[%％‰])"),
     ("ord", r"(?<![\d.,])(?P<ord_n>\d+)(?:st|nd|rd|th)(?![A-Za-z])"),
     ("frac", r"(?<![\d/.])(?P<fr_a>\d{1,3})/(?P<fr_b>\d{1,3})(?![\d/])"),
     ("dec", r"(?<![\d.,])(?P<dec_n>1\d{2}0|20\d0)s(?![A-Za-z])"),
-    ("unit", rf"(?P<u_neg>{_NEG})?(?P<u_n>{_NUM})\s?(?P<u_u>{_UNIT_RE})(?![A-Za-z])"),
+    ("unit", rf"(?P<u_neg>{_NEG})?(?P<u_n>{_NUM})[ \t]?(?P<u_u>{_UNIT_RE})(?![A-Za-z])"),
     ("hashn", r"#(?P<hashn_n>\d+)"),
-    ("no", r"(?<![A-Za-z])No\.\s?(?P<no_n>\d+)"),
+    ("no", r"(?<![A-Za-z])No\.[ \t]?(?P<no_n>\d+)"),
     ("num", rf"(?P<num_neg>{_NEG})?(?P<num_n>{_NUM})"),
     ("sym", r"[&+=@#×÷]"),
     ("hy", r"(?<=[A-Za-z])-(?=[A-Za-z])"),
     ("punct", r"\.{3,}|[?？!！;；:：…]+|[()（）【】「」『』《》]|[\"“”]|[—–－~]+|[/*^|_\\<>`{}]"),
 ]
-_MASTER = re.compile("|".join(f"(?P<{name}>{pat})" for name, pat in _PATTERNS))
+# ASCII: \d is 0-9 (fullwidth digits are mapped first; others are left alone) and CJK
+# characters are not \w, so \b works beside them
+_MASTER = re.compile("|".join(f"(?P<{name}>{pat})" for name, pat in _PATTERNS), re.ASCII)
+_FULLWIDTH = str.maketrans("０１２３４５６７８９", "0123456789")
 _TAG = re.compile(r"\[[A-Za-z_]\w*\]")
 
 # Where rtts.segmenter may cut: sentence ends, clause marks, "." before a space or the end.
@@ -327,7 +337,7 @@ class _Pass:
     """One normalization pass over one text: the match callbacks and their context."""
 
     def __init__(self, text: str, lang_hint: Lang | None) -> None:
-        self.text = text
+        self.text = text = text.translate(_FULLWIDTH)
         self.masked = _TAG.sub(lambda m: " " * len(m.group()), text)
         self.hint = lang_hint
 
@@ -393,7 +403,10 @@ class _Pass:
             lang = self.lang_left(m.start())
         else:
             lang = self.lang(m.start(), m.end())
-        words = handler(m, lang)
+        try:
+            words = handler(m, lang)
+        except Exception:  # noqa: BLE001 - a number too big for a library, say: never fail
+            words = _digit_by_digit(m.group(), lang)
         if kind in ("tag", "punct", "hy"):
             return words
         return f" {words} " if lang == "en" else words

@@ -378,6 +378,31 @@ TABLE: list[tuple[str, str]] = [
      'Our Q three revenue rose twelve percent to four point five billion dollars, up from four billion dollars.'),
     ('截至2025年12月31日，公司营收增长了15.6%，达到3.2亿元。',
      '截至二零二五年十二月三十一日，公司营收增长了百分之十五点六，达到三点二亿元。'),
+    # -- more mixed and edge cases
+    ('I watched it in 4K on my iPhone15.',
+     'I watched it in four K on my iPhone fifteen.'),
+    ('COVID-19 cases rose.',
+     'COVID nineteen cases rose.'),
+    ('The IP is 192.168.1.1.',
+     'The IP is one nine two dot one six eight dot one dot one.'),
+    ('Temperatures of -10°C to 5°C.',
+     'Temperatures of minus ten degrees Celsius to five degrees Celsius.'),
+    ('我12岁，他2岁。',
+     '我十二岁，他两岁。'),
+    ('从2020年到2024年，增长了2倍。',
+     '从二零二零年到二零二四年，增长了两倍。'),
+    ('它在2023年第4季度增长了-3.5%。',
+     '它在二零二三年第四季度增长了负百分之三点五。'),
+    ('At 12:30 a.m. sharp. Then 1:15 p.m.',
+     'At twelve thirty a m. sharp. Then one fifteen p m.'),
+    ('Version 2.0 ships on 2026-01-15 at 09:00.',
+     'Version two point zero ships on January fifteenth, twenty twenty six at nine o clock.'),
+    ('Tel: 400-123-4567',
+     'Tel, four zero zero, one two three, four five six seven'),
+    ('这款5G手机支持4K视频，售价3999元。',
+     '这款五G手机支持四K视频，售价三千九百九十九元。'),
+    ('他花了2.5小时，跑了42.195公里。',
+     '他花了二点五小时，跑了四十二点一九五公里。'),
 ]
 
 SCHEDULES = [DEFAULT_SCHEDULE, (1,), (2, 5), (4, 12, 30)]
@@ -507,6 +532,7 @@ def library_counts() -> Counter[str]:
 def test_library_counts_match_the_readme():
     counts = library_counts()
     readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    assert f"over the {len(TABLE)} sentences" in readme
     for name, n in counts.items():
         assert f"{name}: {n}" in readme, (name, n, dict(counts))
 

@@ -295,7 +295,7 @@ _PATTERNS: list[tuple[str, str]] = [
     ("no", r"(?<![A-Za-z])No\.[ \t]?(?P<no_n>\d+)"),
     ("num", rf"(?P<num_neg>{_NEG})?(?P<num_n>{_NUM})"),
     ("sym", r"[&+=@#×÷]"),
-    ("hy", r"(?<=[A-Za-z])-(?=[A-Za-z])"),
+    ("hy", r"(?<=[A-Za-z])-(?=[A-Za-z0-9])"),
     ("punct", r"\.{3,}|[?？!！;；:：…]+|[()（）【】「」『』《》]|[\"“”]|[—–－~]+|[/*^|_\\<>`{}]"),
 ]
 # ASCII: \d is 0-9 (fullwidth digits are mapped first; others are left alone) and CJK
@@ -364,8 +364,8 @@ class _Pass:
         masked, lo, hi = self.masked, start, end
         while lo > 0 and not _is_separator(masked, lo - 1):
             lo -= 1
-        while hi < len(masked) and not _is_separator(masked, hi):
-            hi += 1
+        while hi < len(masked) and not _is_separator(masked, hi - 1):
+            hi += 1  # (stops after a separator, also one that ends the match)
         around = masked[lo:start] + " " + masked[end:hi]
         cjk = sum(1 for ch in around if _script(ch) == "zh")
         words = len(re.findall(r"[A-Za-z]+", around))
@@ -376,7 +376,9 @@ class _Pass:
     def lang(self, start: int, end: int) -> Lang:
         if any(_script(ch) == "zh" for ch in self.masked[start:end]):
             return "zh"  # 拨打110, 2026年
-        left, right = self._scan(start - 1, -1), self._scan(end, 1)
+        left = self._scan(start - 1, -1)
+        # a match that ends its clause ("at 5 p.m. Then") looks no further right
+        right = None if _is_separator(self.masked, end - 1) else self._scan(end, 1)
         if "zh" in (left, right):
             return "zh"
         if left == right == "en":
@@ -412,7 +414,7 @@ class _Pass:
         return f" {words} " if lang == "en" else words
 
     def _after(self, m: re.Match[str]) -> str:
-        return self.text[m.end():m.end() + 2].lstrip()
+        return self.text[m.end():m.end() + 2].lstrip(" \t")
 
     # -- handlers ---------------------------------------------------------------------------
 
@@ -421,13 +423,17 @@ class _Pass:
 
     def _ver(self, m: re.Match[str], lang: Lang) -> str:
         parts = m.group("ver_n").split(".")
-        said = re.search(r"(?:version|版本)\s*$", self.text[:m.start()], re.IGNORECASE)
+        said = re.search(r"(?:version|版本)[ \t]*$", self.text[:m.start()], re.IGNORECASE)
         if lang == "zh":
             return ("" if said else "版本") + "点".join(_zh_number(p) for p in parts)
         return ("" if said else "version ") + " point ".join(_en_number(p) for p in parts)
 
     def _dots(self, m: re.Match[str], lang: Lang) -> str:
         parts = m.group().split(".")
+        if len(parts) == 4 and all(len(p) <= 3 and int(p) <= 255 for p in parts):  # IPv4
+            if lang == "zh":
+                return "点".join(_zh_digits(p) for p in parts)
+            return " dot ".join(_en_digits(p) for p in parts)
         if lang == "zh":
             return "点".join(_zh_number(p) for p in parts)
         return " point ".join(_en_number(p) for p in parts)
@@ -646,7 +652,8 @@ class _Pass:
                 return "两"
             return ("负" if neg else "") + _zh_number(num)
         if not neg and _year_like(num):
-            words = self.text[:m.start()].split()
+            # words before it on the same line (a newline may be a chunk boundary)
+            words = re.split(r"[ \t]+", self.text[:m.start()].rstrip(" \t"))
             if words and (words[-1].lower().strip("(") in _YEAR_WORDS or (
                     words[-1] in ("to", "and", "until", "through") and len(words) > 1
                     and _year_like(words[-2]) and words[-3:-2] != ["and"])):

@@ -16,7 +16,8 @@ at the very end of the buffer is not a boundary yet (``3.`` may become ``3.14``)
 at :meth:`Segmenter.flush`. Numbers are never cut while they may still grow: ``1,000``,
 ``10:30``, ``5, 2026`` (also when the buffer ends after the comma), and forced cuts move
 back to before a number ("12" + ".5%" arriving later) and never fall between a number and
-its unit. A ``.`` after an abbreviation (``Dr.``, ``ext.``, ``Jan.``) is not a sentence end.
+its unit. A ``.`` after an abbreviation (``Dr.``, ``ext.``, ``Jan.``) or a list item's number
+(``1. 首先``, ``2、其次``) is not a boundary.
 Together this lets :mod:`rtts.text` normalize each chunk exactly as the whole text.
 Chunks with nothing to say (punctuation, spaces) are dropped; their characters still
 count in the offsets of later chunks.
@@ -159,11 +160,24 @@ class Segmenter:
         return start if start > 0 else cut
 
     @staticmethod
+    def _list_number_before(buf: str, i: int) -> bool:
+        """True if ``buf[i]`` follows a 1-3 digit number that starts a line, clause or buffer."""
+        j = i
+        while j > 0 and buf[j - 1].isdigit():
+            j -= 1
+        if not 1 <= i - j <= 3:
+            return False
+        before = buf[:j].rstrip(" \t")
+        return not before or before[-1] in _SENTENCE_END or before[-1] in _CLAUSE
+
+    @staticmethod
     def _boundary_after(buf: str, i: int, *, final: bool, sentence: bool) -> int | None:
         """If ``buf[i]`` ends a sentence (or clause), return the cut index after it."""
         ch = buf[i]
         n = len(buf)
         marks = _SENTENCE_END if sentence else (_SENTENCE_END | _CLAUSE)
+        if ch in ".、" and Segmenter._list_number_before(buf, i):
+            return None  # "1. 首先" / "2、其次": the item's number goes with its text
         if ch in marks:
             if ch in ",:" and i > 0 and buf[i - 1].isdigit():
                 j = i + 1

@@ -403,6 +403,13 @@ TABLE: list[tuple[str, str]] = [
      '这款五G手机支持四K视频，售价三千九百九十九元。'),
     ('他花了2.5小时，跑了42.195公里。',
      '他花了二点五小时，跑了四十二点一九五公里。'),
+    # -- list items
+    ('1. 首先，打开电源。',
+     '一、首先，打开电源。'),
+    ('1. Preheat the oven. 2. Mix.',
+     'one, Preheat the oven. two. Mix.'),
+    ('步骤：1、打开盖子；2、加水。',
+     '步骤，一、打开盖子，二、加水。'),
 ]
 
 SCHEDULES = [DEFAULT_SCHEDULE, (1,), (2, 5), (4, 12, 30)]
@@ -532,7 +539,7 @@ def library_counts() -> Counter[str]:
 def test_library_counts_match_the_readme():
     counts = library_counts()
     readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
-    assert f"over the {len(TABLE)} sentences" in readme
+    assert f"the {len(TABLE)} sentences" in readme
     for name, n in counts.items():
         assert f"{name}: {n}" in readme, (name, n, dict(counts))
 

@@ -136,3 +136,14 @@ def test_no_cut_between_two_digits_unless_the_chunk_is_all_number(pieces, schedu
     for c in chunks:
         if c.end < len(full) and full[c.end - 1].isdigit() and full[c.end].isdigit():
             assert all(ch.isdigit() or ch in ".,:%" for ch in c.text), (full, c)
+
+
+def test_a_list_items_number_goes_with_its_text():
+    seg = Segmenter(schedule=(1,))
+    chunks = feed(seg, ["1. 首先，", "打开。\n2. Mix it. Then"])
+    assert [c.text for c in chunks] == ["1. 首先，", "打开。", "2. Mix it."]
+    seg = Segmenter(schedule=(1,))
+    assert [c.text for c in feed(seg, ["步骤：1、打开；2、加水。"])] == [
+        "步骤：", "1、打开；", "2、加水。"]
+    seg = Segmenter(schedule=(1,))
+    assert [c.text for c in feed(seg, ["It costs 3. Then"])] == ["It costs 3."]

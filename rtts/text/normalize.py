@@ -249,6 +249,9 @@ _NEG = r"(?<![A-Za-z0-9.])[-−]"
 
 _PATTERNS: list[tuple[str, str]] = [
     ("tag", r"\[[A-Za-z_]\w*\]"),
+    # a list item's number: "1. 首先" or "2、其次" at the start of the text, a line or a clause
+    ("item", r"(?:(?<![\s\S])|(?<=[\n。！？!?；;…，、：,:—－]))[ \t]*(?P<item_n>\d{1,3})"
+             r"(?:\.|、)(?=[ \t]*[^\s\d])"),
     ("ver", r"(?<![A-Za-z0-9])[vV](?P<ver_n>\d+(?:\.\d+)*)"),
     ("iso", r"(?<![\d.])(?P<iso_y>\d{4})(?P<iso_sep>[-/.])(?P<iso_m>0?[1-9]|1[0-2])(?P=iso_sep)"
             r"(?P<iso_d>[12]\d|3[01]|0?[1-9])(?!\d)(?!\.\d)"),
@@ -403,13 +406,15 @@ class _Pass:
         handler: Callable[[re.Match[str], Lang], str] = getattr(self, f"_{kind}")
         if kind in ("punct", "hy"):
             lang = self.lang_left(m.start())
+        elif kind == "item":  # the item's own text says which language it is in
+            lang = self._scan(m.end(), 1) or self._before(m.start())
         else:
             lang = self.lang(m.start(), m.end())
         try:
             words = handler(m, lang)
         except Exception:  # noqa: BLE001 - a number too big for a library, say: never fail
             words = _digit_by_digit(m.group(), lang)
-        if kind in ("tag", "punct", "hy"):
+        if kind in ("tag", "punct", "hy", "item"):
             return words
         return f" {words} " if lang == "en" else words
 
@@ -420,6 +425,11 @@ class _Pass:
 
     def _tag(self, m: re.Match[str], lang: Lang) -> str:
         return m.group()
+
+    def _item(self, m: re.Match[str], lang: Lang) -> str:
+        n = m.group("item_n")
+        lead = m.group()[:m.start("item_n") - m.start()]
+        return lead + (_zh_number(n) + "、" if lang == "zh" else _en_number(n) + ",")
 
     def _ver(self, m: re.Match[str], lang: Lang) -> str:
         parts = m.group("ver_n").split(".")

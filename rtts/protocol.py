@@ -5,7 +5,8 @@ Client -> server messages are JSON objects in text frames, each with a ``type``:
 ``start``   open a context: ``context_id``, ``voice``, ``seed``, ``temperature``, ``top_P``,
             ``top_K``, ``speed``, ``refine``, ``format``, ``sample_rate``, ``chunk_schedule``,
             ``max_chunk_chars``, ``idle_flush_ms``, ``cache`` (false: never use the
-            phrase cache for this context)
+            phrase cache for this context), ``normalize`` (false: synthesize the text as
+            written, without :mod:`rtts.text` spelling out numbers and symbols)
 ``text``    ``context_id``, ``text``: more input text (any size piece, even one character)
 ``flush``   ``context_id``: synthesize what is buffered now, without waiting for punctuation
 ``cancel``  ``context_id``: stop this context now; queued and in-flight audio is dropped
@@ -93,6 +94,7 @@ class StartMessage:
     max_chunk_chars: int | None = None
     idle_flush_ms: int | None = None
     cache: bool = True  # may this context's segments be served from / stored in the cache
+    normalize: bool = True  # spell out numbers, dates, money, symbols (rtts.text) before TTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +206,9 @@ def _parse_start(obj: dict[str, Any]) -> StartMessage:
     cache = obj.get("cache", True)
     if not isinstance(cache, bool):
         raise _bad("cache must be true or false")
+    normalize = obj.get("normalize", True)
+    if not isinstance(normalize, bool):
+        raise _bad("normalize must be true or false")
     return StartMessage(
         context_id=_context_id(obj),
         params=_parse_params(obj),
@@ -213,6 +218,7 @@ def _parse_start(obj: dict[str, Any]) -> StartMessage:
         max_chunk_chars=_integer(obj, "max_chunk_chars", None, 8, 1000),
         idle_flush_ms=_integer(obj, "idle_flush_ms", None, 0, 60_000),
         cache=cache,
+        normalize=normalize,
     )
 
 

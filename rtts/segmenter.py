@@ -13,12 +13,19 @@ Rules, in order of preference, once the buffer holds at least the current *minim
 A small first minimum gives fast first audio; larger later minimums give longer, more
 natural chunks (the idea of ElevenLabs' ``chunk_length_schedule``). An English ``.``
 at the very end of the buffer is not a boundary yet (``3.`` may become ``3.14``); it is
-at :meth:`Segmenter.flush`. Chunks with nothing to say (punctuation, spaces) are
-dropped; their characters still count in the offsets of later chunks.
+at :meth:`Segmenter.flush`. Numbers are never cut while they may still grow: ``1,000``,
+``10:30``, ``5, 2026`` (also when the buffer ends after the comma), and forced cuts move
+back to before a number ("12" + ".5%" arriving later) and never fall between a number and
+its unit. A ``.`` after an abbreviation (``Dr.``, ``ext.``, ``Jan.``) or a list item's number
+(``1. 首先``, ``2、其次``) is not a boundary.
+Together this lets :mod:`rtts.text` normalize each chunk exactly as the whole text.
+Chunks with nothing to say (punctuation, spaces) are dropped; their characters still
+count in the offsets of later chunks.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 __all__ = ["DEFAULT_SCHEDULE", "Chunk", "Segmenter", "is_speakable"]
@@ -29,6 +36,10 @@ DEFAULT_MAX_CHARS = 200
 _SENTENCE_END = frozenset("。！？!?；;…\n")
 _CLAUSE = frozenset("，、：,:—－")
 _CLOSERS = frozenset("\"'”’」』）)]】》")
+_IN_NUMBER = frozenset(".,:%/")  # inside or right after a number: 3.14 1,000 10:30 20% 1/2
+_ABBREVIATION = re.compile(
+    r"(?<![A-Za-z.])(?:Mr|Mrs|Ms|Dr|Prof|St|Jr|Sr|No|Nos|ext|Ext|vs|etc|approx|Fig|Inc|"
+    r"e\.g|i\.e|Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec)$")
 
 
 def is_speakable(text: str) -> bool:
@@ -132,10 +143,32 @@ class Segmenter:
             if end is not None and end <= self.max_chars:
                 return end
         for pos in range(self.max_chars, max(self.max_chars // 2, 1), -1):
-            if buf[pos - 1].isspace():
-                return pos
-        # 3. hard cut
-        return self.max_chars
+            if buf[pos - 1].isspace() and not buf[:pos].rstrip()[-1:].isdigit():
+                return pos  # (not between "5" and "km": they are read together)
+        # 3. hard cut, but not inside a number ("…123|45" would read as two numbers)
+        return self._outside_number(buf, self.max_chars)
+
+    @staticmethod
+    def _outside_number(buf: str, cut: int) -> int:
+        """``cut``, moved back to the start of the number it would split (if not to 0)."""
+        if not (buf[cut - 1].isdigit() and (buf[cut].isdigit() or buf[cut] in _IN_NUMBER)):
+            return cut
+        start = cut
+        while start > 0 and (buf[start - 1].isdigit() or (
+                buf[start - 1] in _IN_NUMBER and start > 1 and buf[start - 2].isdigit())):
+            start -= 1
+        return start if start > 0 else cut
+
+    @staticmethod
+    def _list_number_before(buf: str, i: int) -> bool:
+        """True if ``buf[i]`` follows a 1-3 digit number that starts a line, clause or buffer."""
+        j = i
+        while j > 0 and buf[j - 1].isdigit():
+            j -= 1
+        if not 1 <= i - j <= 3:
+            return False
+        before = buf[:j].rstrip(" \t")
+        return not before or before[-1] in _SENTENCE_END or before[-1] in _CLAUSE
 
     @staticmethod
     def _boundary_after(buf: str, i: int, *, final: bool, sentence: bool) -> int | None:
@@ -143,16 +176,23 @@ class Segmenter:
         ch = buf[i]
         n = len(buf)
         marks = _SENTENCE_END if sentence else (_SENTENCE_END | _CLAUSE)
+        if ch in ".、" and Segmenter._list_number_before(buf, i):
+            return None  # "1. 首先" / "2、其次": the item's number goes with its text
         if ch in marks:
-            if ch in ",:" and i > 0 and buf[i - 1].isdigit() and (
-                    (i + 1 < n and buf[i + 1].isdigit()) or (i + 1 >= n and not final)):
-                return None  # 1,000 or 10:30, perhaps still arriving
+            if ch in ",:" and i > 0 and buf[i - 1].isdigit():
+                j = i + 1
+                while ch == "," and j < n and buf[j] in " \t":
+                    j += 1  # "May 5, 2026" and "1, 2, 3" are read as one expression
+                if (j < n and buf[j].isdigit()) or (j >= n and not final):
+                    return None  # 1,000 or 10:30 or 5, 2026, perhaps still arriving
         elif ch == ".":
             if i + 1 >= n:
                 if not final:
                     return None  # may be a decimal point or an abbreviation still arriving
             elif not (buf[i + 1].isspace() or buf[i + 1] in _CLOSERS):
                 return None
+            if _ABBREVIATION.search(buf, 0, i):
+                return None  # "Dr. Smith", "ext. 204", "Jan. 5": not a sentence end
         else:
             return None
         j = i + 1

@@ -28,6 +28,7 @@ from .protocol import (
     TextMessage,
 )
 from .segmenter import DEFAULT_MAX_CHARS, DEFAULT_SCHEDULE, Chunk, Segmenter
+from .text import SpokenText
 
 __all__ = [
     "CancelContext",
@@ -70,11 +71,18 @@ class StartContext:
 
 @dataclass(frozen=True, slots=True)
 class Synthesize:
-    """Synthesize segment ``index`` of a context; audio must be sent in index order."""
+    """Synthesize segment ``index`` of a context; audio must be sent in index order.
+
+    ``spoken`` is what to synthesize (and to key the phrase cache on): ``chunk.text`` with
+    numbers, dates, money and symbols spelled out by :mod:`rtts.text`, or ``chunk.text``
+    itself when the context was started with ``normalize: false``. The session always
+    fills it; ``None`` (other constructors) means ``chunk.text``.
+    """
 
     context_id: str
     index: int
     chunk: Chunk
+    spoken: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +111,10 @@ class ContextState:
     last_text_at: float = 0.0
     cache: bool = True
     flush_marks: list[int] = field(default_factory=list)  # segment counts awaited by flushes
+    normalize: bool = True
+    # chunk text -> spoken text, in order (it carries the language of the text so far)
+    spoken_text: SpokenText = field(default_factory=SpokenText)
+    spoken: dict[int, str] = field(default_factory=dict)  # by segment, until it is done
 
     @property
     def audio_ms(self) -> float:
@@ -195,6 +207,8 @@ class Session:
                            else msg.idle_flush_ms),
             last_text_at=now,
             cache=msg.cache,
+            normalize=msg.normalize,
+            spoken_text=SpokenText(enabled=msg.normalize),
         )
         self._next_stream = self._next_stream % 65535 + 1
         self.contexts[ctx.context_id] = ctx
@@ -203,7 +217,9 @@ class Session:
     def _queue(self, ctx: ContextState, chunks: list[Chunk]) -> list[Action]:
         actions: list[Action] = []
         for chunk in chunks:
-            actions.append(Synthesize(ctx.context_id, ctx.segments_queued, chunk))
+            spoken = ctx.spoken_text(chunk.text)
+            ctx.spoken[ctx.segments_queued] = spoken
+            actions.append(Synthesize(ctx.context_id, ctx.segments_queued, chunk, spoken))
             ctx.segments_queued += 1
         return actions
 
@@ -235,7 +251,8 @@ class Session:
             return None
         return SendEvent({
             "type": "segment_started", "context_id": context_id, "stream": ctx.stream,
-            "segment": index, "text": chunk.text, "text_start": chunk.start,
+            "segment": index, "text": chunk.text,
+            "spoken": ctx.spoken.get(index, chunk.text), "text_start": chunk.start,
             "text_end": chunk.end, "audio_start_ms": round(ctx.audio_ms, 3),
             "sample_rate": ctx.sample_rate, "cached": cached,
         })
@@ -249,6 +266,7 @@ class Session:
         start_ms = ctx.audio_ms
         ctx.audio_samples += samples
         ctx.segments_done += 1
+        ctx.spoken.pop(index, None)
         actions: list[Action] = [SendEvent({
             "type": "segment_done", "context_id": context_id, "stream": ctx.stream,
             "segment": index, "text": chunk.text, "text_start": chunk.start,
@@ -264,6 +282,7 @@ class Session:
         if ctx is None:
             return []
         ctx.segments_done += 1
+        ctx.spoken.pop(index, None)
         return [self.error(exc, context_id, segment=index), *self._check_marks(ctx)]
 
     def _check_marks(self, ctx: ContextState) -> list[Action]:

@@ -47,6 +47,9 @@ def test_defaults_and_default_context():
     assert isinstance(msg, StartMessage)
     assert msg.context_id == "default" and msg.sample_rate == 24000
     assert msg.params.voice is None and msg.params.temperature == 0.3
+    assert msg.normalize is True
+    off = parse({"type": "start", "normalize": False})
+    assert isinstance(off, StartMessage) and off.normalize is False
     assert parse({"type": "text", "text": "hi"}) == TextMessage("default", "hi")
     assert parse({"type": "flush", "context_id": "x"}) == FlushMessage("x")
     assert parse({"type": "cancel", "context_id": "x"}) == CancelMessage("x")
@@ -70,6 +73,8 @@ def test_defaults_and_default_context():
     ('{"type": "start", "voice": ""}', ErrorCode.INVALID_PARAMS),
     ('{"type": "start", "voice": "seed:abc"}', ErrorCode.INVALID_PARAMS),
     ('{"type": "start", "refine": "yes"}', ErrorCode.INVALID_PARAMS),
+    ('{"type": "start", "normalize": "no"}', ErrorCode.INVALID_PARAMS),
+    ('{"type": "start", "normalize": 0}', ErrorCode.INVALID_PARAMS),
     ('{"type": "start", "chunk_schedule": [0]}', ErrorCode.INVALID_PARAMS),
     ('{"type": "start", "seed": -1}', ErrorCode.INVALID_PARAMS),
     ('{"type": "start", "temperature": NaN}', ErrorCode.INVALID_JSON),

@@ -89,3 +89,61 @@ def test_chunks_cover_all_speakable_text_in_order(pieces, schedule, max_chars):
     # every speakable character ends up in exactly one chunk
     covered = "".join(c.text for c in chunks)
     assert [ch for ch in full if ch.isalnum()] == [ch for ch in covered if ch.isalnum()]
+
+
+# -- numbers are never cut while they may still grow (issue 13) ----------------------------
+
+
+def test_number_split_across_messages_is_held_until_it_ends():
+    seg = Segmenter(schedule=(2,))
+    assert seg.push("价格是12") == []
+    assert [c.text for c in seg.push(".5%。好的")] == ["价格是12.5%。"]
+    seg = Segmenter(schedule=(2,))
+    assert seg.push("It costs 12,") == []
+    assert [c.text for c in seg.push("500 dollars, ok")] == ["It costs 12,500 dollars,"]
+
+
+def test_comma_between_numbers_with_a_space_is_not_a_boundary():
+    seg = Segmenter(schedule=(4,))
+    assert seg.push("On May 5,") == []
+    assert seg.push(" ") == []  # may still be "May 5, 2026"
+    assert [c.text for c in seg.push("2026, we met")] == ["On May 5, 2026,"]
+    assert [c.text for c in seg.flush()] == ["we met"]
+
+
+def test_abbreviations_are_not_sentence_ends():
+    seg = Segmenter(schedule=(4,))
+    chunks = feed(seg, ["Ask Dr. Smith at ext. 204 on Jan. 5. Then ", "go"])
+    assert [c.text for c in chunks] == ["Ask Dr. Smith at ext. 204 on Jan. 5."]
+
+
+def test_forced_cuts_do_not_split_a_number_or_a_number_and_its_unit():
+    seg = Segmenter(schedule=(50,), max_chars=10)
+    assert [c.text for c in seg.push("一二三四五六七八9012345")] == ["一二三四五六七八"]
+    assert [c.text for c in seg.flush()] == ["9012345"]
+    seg = Segmenter(schedule=(50,), max_chars=10)
+    assert [c.text for c in seg.push("run it 5 km and")] == ["run it"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(alphabet=st.sampled_from(list("ab 你,.。，:%12")), max_size=6),
+                max_size=30),
+       st.lists(st.integers(1, 30), min_size=1, max_size=3), st.integers(8, 40))
+def test_no_cut_between_two_digits_unless_the_chunk_is_all_number(pieces, schedule, max_chars):
+    seg = Segmenter(schedule=tuple(schedule), max_chars=max_chars)
+    chunks = feed(seg, pieces)  # no flush: a flush may cut anywhere, on request
+    full = "".join(pieces)
+    for c in chunks:
+        if c.end < len(full) and full[c.end - 1].isdigit() and full[c.end].isdigit():
+            assert all(ch.isdigit() or ch in ".,:%" for ch in c.text), (full, c)
+
+
+def test_a_list_items_number_goes_with_its_text():
+    seg = Segmenter(schedule=(1,))
+    chunks = feed(seg, ["1. 首先，", "打开。\n2. Mix it. Then"])
+    assert [c.text for c in chunks] == ["1. 首先，", "打开。", "2. Mix it."]
+    seg = Segmenter(schedule=(1,))
+    assert [c.text for c in feed(seg, ["步骤：1、打开；2、加水。"])] == [
+        "步骤：", "1、打开；", "2、加水。"]
+    seg = Segmenter(schedule=(1,))
+    assert [c.text for c in feed(seg, ["It costs 3. Then"])] == ["It costs 3."]

@@ -428,3 +428,21 @@ async def test_output_is_paced_to_a_bounded_lead(lead, paced):
             assert elapsed >= 1.3, elapsed
         else:
             assert elapsed < 1.0, elapsed
+
+
+async def test_segment_started_says_what_is_spoken():
+    # issue 13: the event shows the normalized text; normalize=false keeps it as written
+    async with server() as (app, url), client(url) as c:
+        await c.send(type="start", context_id="a")
+        await c.send(type="start", context_id="b", normalize=False)
+        for cid in ("a", "b"):
+            await c.send(type="text", context_id=cid, text="Call 911 now!")
+            await c.send(type="end", context_id=cid)
+            await c.until("done", cid)
+        [a] = c.got.of("segment_started", "a")
+        [b] = c.got.of("segment_started", "b")
+        assert (a["text"], a["spoken"]) == ("Call 911 now!", "Call nine one one now.")
+        assert (b["text"], b["spoken"]) == ("Call 911 now!", "Call 911 now!")
+        await c.send(type="start", context_id="c", normalize="yes")
+        err = await c.until("error")
+        assert err["code"] == "invalid_params"

@@ -125,3 +125,43 @@ def test_failed_segment_still_completes_context():
     err = events(acts, "error")[0]
     assert err["segment"] == 0 and err["context_id"] == "a"
     assert events(acts, "done")
+
+
+# -- text normalization (issue 13) ------------------------------------------------------------
+
+
+def test_synthesize_carries_the_spoken_text_and_segment_started_shows_it():
+    s = Session()
+    s.receive(start(), now=0.0)
+    acts = s.receive(TextMessage("a", "价格是12"), now=0.1)
+    assert not [a for a in acts if isinstance(a, Synthesize)]  # "12" may still grow
+    acts = s.receive(TextMessage("a", ".5元，增长了20%。Call 911 now! "), now=0.2)
+    syn = [a for a in acts if isinstance(a, Synthesize)]
+    assert [(a.chunk.text, a.spoken) for a in syn] == [
+        ("价格是12.5元，", "价格是十二点五元，"), ("增长了20%。", "增长了百分之二十。"),
+        ("Call 911 now!", "Call nine one one now.")]
+    started = s.segment_started("a", 0, syn[0].chunk)
+    assert started is not None
+    assert started.event["text"] == "价格是12.5元，"
+    assert started.event["spoken"] == "价格是十二点五元，"
+    s.segment_done("a", 0, syn[0].chunk, samples=100, frames=1)
+    assert 0 not in s.contexts["a"].spoken  # forgotten once done
+
+
+def test_normalize_false_synthesizes_the_text_as_written():
+    s = Session()
+    s.receive(start(normalize=False), now=0.0)
+    acts = s.receive(TextMessage("a", "Call 911 now! "), now=0.1)
+    syn = [a for a in acts if isinstance(a, Synthesize)]
+    assert [(a.chunk.text, a.spoken) for a in syn] == [("Call 911 now!", "Call 911 now!")]
+    started = s.segment_started("a", 0, syn[0].chunk)
+    assert started is not None and started.event["spoken"] == "Call 911 now!"
+
+
+def test_a_clause_without_letters_reads_in_the_language_before_it():
+    s = Session()
+    s.receive(start(), now=0.0)
+    acts = s.receive(TextMessage("a", "答案是："), now=0.1)
+    acts += s.receive(TextMessage("a", "42。"), now=0.2) + s.receive(FlushMessage("a"), now=0.3)
+    syn = [a for a in acts if isinstance(a, Synthesize)]
+    assert [a.spoken for a in syn] == ["答案是，", "四十二。"]  # not "forty two"

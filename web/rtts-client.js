@@ -25,6 +25,7 @@ export { parseFrame, buildFrame, pcm16ToFloat32 } from "./protocol.js";
  * @property {number[]} [chunkSchedule] characters before each chunk may be cut
  * @property {number} [idleFlushMs]
  * @property {boolean} [cache]      false: never serve or store this utterance in the phrase cache
+ * @property {boolean} [normalize]  false: synthesize the text as written (no spelled-out numbers)
  */
 
 /**
@@ -60,8 +61,9 @@ export class Utterance extends EventTarget {
     this.createdAt = performance.now();
     /** @type {number | null} ms from speak() to the first audio frame */
     this.ttfaMs = null;
-    /** @type {Array<{segment: number, text: string, textStart: number, textEnd: number,
-     *   audioStartMs: number, durationMs: number | null, heardMs: number, cached: boolean}>} */
+    /** @type {Array<{segment: number, text: string, spoken: string, textStart: number,
+     *   textEnd: number, audioStartMs: number, durationMs: number | null, heardMs: number,
+     *   cached: boolean}>} */
     this.segments = [];
     this.state = "open"; // open | done | cancelled | error
     this.audioMs = 0;
@@ -234,7 +236,8 @@ export class RttsClient extends EventTarget {
     const start = { type: "start", context_id: contextId, sample_rate: u.sampleRate };
     for (const [k, key] of [["voice", "voice"], ["seed", "seed"], ["temperature", "temperature"],
       ["top_P", "top_P"], ["top_K", "top_K"], ["speed", "speed"], ["refine", "refine"],
-      ["chunkSchedule", "chunk_schedule"], ["idleFlushMs", "idle_flush_ms"], ["cache", "cache"]]) {
+      ["chunkSchedule", "chunk_schedule"], ["idleFlushMs", "idle_flush_ms"], ["cache", "cache"],
+      ["normalize", "normalize"]]) {
       if (o[k] !== undefined) start[key] = o[k];
     }
     this._send(start);
@@ -315,7 +318,8 @@ export class RttsClient extends EventTarget {
         if (!u) return;
         u.stream = msg.stream;
         this.byStream.set(msg.stream, u);
-        u.segments.push({ segment: msg.segment, text: msg.text, textStart: msg.text_start,
+        u.segments.push({ segment: msg.segment, text: msg.text,
+                          spoken: msg.spoken ?? msg.text, textStart: msg.text_start,
                           textEnd: msg.text_end, audioStartMs: msg.audio_start_ms,
                           durationMs: null, heardMs: 0, cached: Boolean(msg.cached) });
         u._emit("segment_started", msg);

@@ -35,10 +35,11 @@ test("speak streams an async iterable, then ends; events map to the utterance", 
   await c.open();
   const ws = ScriptedSocket.last;
   async function* tokens() { yield "Hello "; yield "world."; }
-  const u = c.speak(tokens(), { contextId: "c1", voice: "seed:2" });
+  const u = c.speak(tokens(), { contextId: "c1", voice: "seed:2", normalize: false });
   await new Promise((r) => setTimeout(r, 10));
   assert.deepEqual(ws.sent.map((m) => m.type), ["start", "text", "text", "end"]);
   assert.equal(ws.sent[0].voice, "seed:2");
+  assert.equal(ws.sent[0].normalize, false);
   const audio = [];
   u.addEventListener("audio", (e) => audio.push(e.detail.pcm.length));
   ws.serverSays({ type: "segment_started", context_id: "c1", stream: 4, segment: 0,
@@ -51,6 +52,7 @@ test("speak streams an async iterable, then ends; events map to the utterance", 
   assert.deepEqual(done, { segments: 1, audioMs: 20 });
   assert.deepEqual(audio, [480]); // the frame of an unknown stream was not delivered
   assert.ok(u.ttfaMs !== null && u.segments[0].durationMs === 20);
+  assert.equal(u.segments[0].spoken, "Hello world."); // an older server sends no `spoken`
 });
 
 test("cancel sends cancel and drops late frames", async () => {

@@ -20,11 +20,13 @@ export class Utterance extends EventTarget {
     createdAt: number;
     /** @type {number | null} ms from speak() to the first audio frame */
     ttfaMs: number | null;
-    /** @type {Array<{segment: number, text: string, textStart: number, textEnd: number,
-     *   audioStartMs: number, durationMs: number | null, heardMs: number, cached: boolean}>} */
+    /** @type {Array<{segment: number, text: string, spoken: string, textStart: number,
+     *   textEnd: number, audioStartMs: number, durationMs: number | null, heardMs: number,
+     *   cached: boolean}>} */
     segments: Array<{
         segment: number;
         text: string;
+        spoken: string;
         textStart: number;
         textEnd: number;
         audioStartMs: number;
@@ -171,6 +173,10 @@ export type SpeakOptions = {
      * false: never serve or store this utterance in the phrase cache
      */
     cache?: boolean;
+    /**
+     * false: synthesize the text as written (no spelled-out numbers)
+     */
+    normalize?: boolean;
 };
 export type ConnectOptions = {
     /**

@@ -1,0 +1,191 @@
+"""One speech context on the core: feed text, flush, end, cancel; iterate segment events.
+
+The request/response front-ends (REST, OpenAI) use this directly::
+
+    ctx = service.open_context(params)
+    ctx.feed(text)
+    ctx.end()
+    async for event in ctx.events():
+        ...  # SegmentStarted, Audio, SegmentDone / SegmentFailed, then Done
+
+Audio is float32 mono at the engine's sample rate, yielded as soon as the engine (or the
+cache) produces it; up to ``lookahead`` segments are submitted ahead of the one playing.
+Leaving the ``async for`` early (or :meth:`SpeechContext.cancel`) cancels the in-flight
+requests, which frees their batch rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import RttsError
+from ..protocol import SynthParams
+from ..segmenter import DEFAULT_MAX_CHARS, DEFAULT_SCHEDULE, Chunk, Segmenter
+
+if TYPE_CHECKING:
+    from .service import Service, Source
+
+__all__ = ["Audio", "Done", "Event", "SegmentDone", "SegmentFailed", "SegmentStarted",
+           "SpeechContext"]
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentStarted:
+    index: int
+    text: str
+    start: int  # character offsets of the segment in the context's input
+    end: int
+    cached: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Audio:
+    index: int
+    samples: npt.NDArray[np.float32]  # at the engine's sample rate
+    produced_at: float  # monotonic time the engine produced it (0 for cached audio)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentDone:
+    index: int
+    samples: int  # engine-rate samples in the segment
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentFailed:
+    index: int
+    error: RttsError
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    segments: int
+    samples: int  # engine-rate samples in the whole context
+    failed: int
+
+
+Event = SegmentStarted | Audio | SegmentDone | SegmentFailed | Done
+
+
+class SpeechContext:
+    """Text in, segment events out, on one :class:`~rtts.core.service.Service`."""
+
+    def __init__(self, service: Service, params: SynthParams, *,
+                 schedule: tuple[int, ...] = DEFAULT_SCHEDULE,
+                 max_chunk_chars: int = DEFAULT_MAX_CHARS,
+                 lookahead: int = 2, use_cache: bool = True) -> None:
+        self.service = service
+        self.params = params
+        self.sample_rate = service.engine.sample_rate
+        self.segmenter = Segmenter(schedule, max_chunk_chars)
+        self.lookahead = max(1, lookahead)
+        self.use_cache = use_cache
+        self._pending: deque[tuple[int, Chunk]] = deque()
+        self._inflight: deque[tuple[int, Chunk, Source | RttsError, str | None]] = deque()
+        self._next_index = 0
+        self._ended = False
+        self._cancelled = False
+        self._wakeup = asyncio.Event()
+        service.stats.contexts_total += 1
+
+    # -- input -------------------------------------------------------------------------
+
+    def feed(self, text: str) -> None:
+        """More input text (any size piece); complete segments are queued at once."""
+        self._queue(self.segmenter.push(text))
+
+    def flush(self) -> None:
+        """Queue whatever is buffered, without waiting for punctuation."""
+        self._queue(self.segmenter.flush())
+
+    def end(self) -> None:
+        """No more text: the events end with :class:`Done` after the last segment."""
+        self.flush()
+        self._ended = True
+        self._wakeup.set()
+
+    def cancel(self) -> None:
+        """Stop now: in-flight requests are cancelled and :meth:`events` returns."""
+        if not self._cancelled:
+            self._cancelled = True
+            self.service.stats.cancels += 1
+        self._release()
+        self._wakeup.set()
+
+    def _queue(self, chunks: list[Chunk]) -> None:
+        for chunk in chunks:
+            self._pending.append((self._next_index, chunk))
+            self._next_index += 1
+        if chunks:
+            self._wakeup.set()
+
+    def _release(self) -> None:
+        for _, _, source, _ in self._inflight:
+            if not isinstance(source, RttsError):
+                source.cancel()
+        self._inflight.clear()
+        self._pending.clear()
+
+    # -- output ------------------------------------------------------------------------
+
+    async def _submit_ahead(self) -> None:
+        while self._pending and len(self._inflight) < self.lookahead and not self._cancelled:
+            index, chunk = self._pending.popleft()
+            source, key = await self.service.open_segment(
+                chunk.text, self.params, first=index == 0, use_cache=self.use_cache)
+            self._inflight.append((index, chunk, source, key))
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Segment events in order until :class:`Done` (or the context is cancelled)."""
+        stats = self.service.stats
+        segments = samples_total = failed = 0
+        try:
+            while not self._cancelled:
+                await self._submit_ahead()
+                if not self._inflight:
+                    if self._ended and not self._pending:
+                        yield Done(segments, samples_total, failed)
+                        return
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                index, chunk, source, key = self._inflight[0]
+                stats.segments_total += 1
+                segments += 1
+                if isinstance(source, RttsError):
+                    stats.segment_errors += 1
+                    failed += 1
+                    self._inflight.popleft()
+                    yield SegmentFailed(index, source)
+                    continue
+                yield SegmentStarted(index, chunk.text, chunk.start, chunk.end,
+                                     getattr(source, "cached", False))
+                recorder = self.service.segment_recorder(key)
+                n = 0
+                try:
+                    async for samples in source:
+                        recorder.add(samples)
+                        await self._submit_ahead()
+                        n += len(samples)
+                        yield Audio(index, samples, source.produced_at)
+                except RttsError as exc:
+                    stats.segment_errors += 1
+                    failed += 1
+                    if self._inflight and self._inflight[0][2] is source:
+                        self._inflight.popleft()
+                    yield SegmentFailed(index, exc)
+                    continue
+                recorder.commit(source)
+                if self._inflight and self._inflight[0][2] is source:
+                    self._inflight.popleft()
+                samples_total += n
+                yield SegmentDone(index, n)
+        finally:
+            self._release()

@@ -17,7 +17,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
@@ -78,6 +78,9 @@ def build_http_app(service: Service, auth: Authenticator) -> Starlette:
         return PlainTextResponse(f"{exc.detail}\n", status_code=exc.status_code,
                                  headers=dict(exc.headers or {}))
 
+    async def on_disconnect(request: Request, exc: Exception) -> Response:
+        return Response(status_code=400)  # gone while sending its body: nobody to tell
+
     async def on_error(request: Request, exc: Exception) -> Response:
         logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         return api_error_response(ApiError(500, "internal server error", type="server_error",
@@ -99,7 +102,8 @@ def build_http_app(service: Service, auth: Authenticator) -> Starlette:
         CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
         allow_headers=["*"], expose_headers=["X-Sample-Rate", "Retry-After"], max_age=600)]
     return Starlette(routes=routes, middleware=middleware, exception_handlers={
-        ApiError: on_api_error, HTTPException: on_http_error, Exception: on_error})
+        ApiError: on_api_error, HTTPException: on_http_error, ClientDisconnect: on_disconnect,
+        Exception: on_error})
 
 
 def _not_found(request: Request) -> Response:

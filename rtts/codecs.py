@@ -74,6 +74,7 @@ def codec_for(name: str) -> Codec | None:
 class Encoder(Protocol):
     codec: Codec
     sample_rate: int  # rate of the encoded audio
+    samples: int  # audio samples (at sample_rate) encoded so far
 
     def encode(self, samples: npt.NDArray[np.float32]) -> bytes:
         """Encode more input audio; return the bytes ready now (maybe none)."""
@@ -104,6 +105,7 @@ def open_encoder(name: str, input_rate: int, sample_rate: int = 24000) -> Encode
 class _Resampling:
     def __init__(self, input_rate: int, rate: int) -> None:
         self.sample_rate = rate
+        self.samples = 0
         self._resampler = StreamingResampler(input_rate, rate) if input_rate != rate else None
 
     def _pcm(self, samples: npt.NDArray[np.float32], final: bool = False) -> npt.NDArray[Any]:
@@ -111,6 +113,7 @@ class _Resampling:
             out = self._resampler.flush() if final else self._resampler.process(samples)
         else:
             out = samples
+        self.samples += len(out)
         return np.frombuffer(float_to_pcm16(out), dtype="<i2")
 
 

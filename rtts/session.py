@@ -102,6 +102,7 @@ class ContextState:
     ended: bool = False
     last_text_at: float = 0.0
     cache: bool = True
+    format: str = "pcm16"  # of the binary frames (see rtts.codecs)
     flush_marks: list[int] = field(default_factory=list)  # segment counts awaited by flushes
 
     @property
@@ -195,6 +196,7 @@ class Session:
                            else msg.idle_flush_ms),
             last_text_at=now,
             cache=msg.cache,
+            format=msg.format,
         )
         self._next_stream = self._next_stream % 65535 + 1
         self.contexts[ctx.context_id] = ctx

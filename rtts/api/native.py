@@ -39,6 +39,7 @@ from websockets.http11 import Request, Response
 from ..audio import StreamingResampler, float_to_pcm16
 from ..auth import Authenticator, AuthError
 from ..cache import CachedStream
+from ..codecs import open_encoder
 from ..core.service import Service, Source
 from ..errors import (
     CLOSE_POLICY_VIOLATION,
@@ -446,6 +447,8 @@ class ContextPipeline:
         # prefetched before its segment's turn is ahead of playback by design.
         play_start = time.monotonic()
         resampler = StreamingResampler(self.app.engine.sample_rate, ctx.sample_rate)
+        encoder = None if ctx.format == "pcm16" else open_encoder(
+            ctx.format, self.app.engine.sample_rate, ctx.sample_rate)
         frame_len = max(1, ctx.sample_rate * conn.cfg.frame_ms // 1000)
         seq = 0
         total = 0
@@ -469,14 +472,43 @@ class ContextPipeline:
                     self.first_audio_sent = True
                     stats.ttfa_s.append(time.monotonic() - stream.submitted_at)
 
+        async def emit_encoded(samples: np.ndarray | None, produced_at: float) -> None:
+            """One frame of whatever the encoder made of this audio (None: its tail)."""
+            nonlocal seq, total
+            assert encoder is not None
+            before = encoder.samples
+            data = encoder.finish() if samples is None else encoder.encode(samples)
+            n = encoder.samples - before
+            total += n
+            if not data:
+                return
+            wait = self.pacer.delay(time.monotonic())
+            if wait > 0:
+                await asyncio.sleep(wait)
+                if produced_at:
+                    produced_at = time.monotonic()
+            await conn.send(ctx.stream, pack_frame(FrameHeader(ctx.stream, job.index, seq),
+                                                   data), produced_at)
+            seq += 1
+            self.pacer.sent(n / ctx.sample_rate, time.monotonic())
+            if not self.first_audio_sent:
+                self.first_audio_sent = True
+                stats.ttfa_s.append(time.monotonic() - stream.submitted_at)
+
         recorder = self.app.segment_recorder(key)
         try:
             async for samples in stream:
                 recorder.add(samples)
                 await self._submit_ahead()
                 live = stream.produced_at if stream.produced_at >= play_start else 0.0
-                await emit(resampler.process(samples), live)
-            await emit(resampler.flush(), 0.0)
+                if encoder is None:
+                    await emit(resampler.process(samples), live)
+                else:
+                    await emit_encoded(samples, live)
+            if encoder is None:
+                await emit(resampler.flush(), 0.0)
+            else:
+                await emit_encoded(None, 0.0)
         except RttsError as exc:
             stats.segment_errors += 1
             await conn._apply(conn.session.segment_failed(ctx.context_id, job.index, exc))

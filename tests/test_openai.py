@@ -250,3 +250,30 @@ async def test_cors_preflight_and_static_library_cross_origin():
                 "https://app.example"
         status, _ = await asyncio.to_thread(request, "/openapi.json")
         assert status == 200
+
+
+async def test_drain_lets_a_streaming_speech_body_finish_and_refuses_new_ones():
+    cfg = replace(base_config(), shutdown_grace_s=15.0)  # longer than the clip
+    async with server(cfg, FakeEngine(rtf=1.0)) as (app, _):
+        client = sdk(app)
+        other = sdk(app)
+        full = await client.audio.speech.create(model="tts-1", voice="ash", input="Quick one.",
+                                                response_format="pcm")
+        async with client.audio.speech.with_streaming_response.create(
+                model="tts-1", voice="ash", input=TEXT, response_format="pcm") as resp:
+            chunks = []
+            shutdown = None
+            async for chunk in resp.iter_bytes():
+                chunks.append(chunk)
+                if shutdown is None:
+                    shutdown = asyncio.create_task(app.drain_and_close())
+                    await asyncio.sleep(0.05)
+                    assert app.state == "draining"
+                    with pytest.raises(openai.APIConnectionError):  # not accepting
+                        await other.models.list()
+            assert shutdown is not None
+        body = b"".join(chunks)
+        assert len(body) / 2 / 24000 > 3.0  # the whole clip, not cut at the drain
+        assert len(full.content) > 0
+        await shutdown
+        app.state = "stopped"

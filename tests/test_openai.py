@@ -277,3 +277,37 @@ async def test_drain_lets_a_streaming_speech_body_finish_and_refuses_new_ones():
         assert len(full.content) > 0
         await shutdown
         app.state = "stopped"
+
+
+async def test_quota_is_held_while_a_body_streams_and_released_after():
+    key = "sk-quota"
+    cfg = base_config(auth=replace(AuthConfig(), api_keys=(key,), max_sessions_per_key=1))
+    async with server(cfg, FakeEngine(rtf=1.0)) as (app, _):
+        client = sdk(app, key)
+        for _ in range(3):  # listing models does not use up a session
+            assert [m.id async for m in client.models.list()]
+        async with client.audio.speech.with_streaming_response.create(
+                model="tts-1", voice="sage", input=TEXT, response_format="pcm") as resp:
+            async for _ in resp.iter_bytes():
+                with pytest.raises(openai.RateLimitError) as info:  # the one session is busy
+                    await client.audio.speech.create(model="tts-1", voice="sage", input="Hi.")
+                assert "sessions per key" in info.value.message
+                assert info.value.response.headers["retry-after"]
+                break
+        for _ in range(100):  # the client left mid-body: the session is given back
+            if not any(app.auth.active.values()):
+                break
+            await asyncio.sleep(0.05)
+        assert not any(app.auth.active.values())
+        audio = await client.audio.speech.create(model="tts-1", voice="sage", input="Hi.",
+                                                 response_format="wav")
+        assert decode(audio.content)[0] == "pcm_s16le"
+        assert not any(app.auth.active.values())
+
+
+async def test_oversized_body_is_413():
+    async with server() as (app, _):
+        with pytest.raises(openai.APIStatusError) as info:
+            await sdk(app).audio.speech.create(model="tts-1", voice="alloy", input="Hi.",
+                                               extra_body={"pad": "x" * 300_000})
+        assert info.value.status_code == 413 and "larger than" in info.value.message

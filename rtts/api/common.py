@@ -23,7 +23,8 @@ from ..core.context import Audio, Done, Event, SegmentFailed, SpeechContext
 from ..core.service import Service
 from ..errors import ErrorCode, RttsError
 
-__all__ = ["ApiError", "HttpContext", "api_error_response", "authorize", "check_ready"]
+__all__ = ["ApiError", "HttpContext", "api_error_response", "authorize", "check_ready",
+           "read_body"]
 
 
 class ApiError(Exception):
@@ -67,14 +68,17 @@ def check_ready(service: Service) -> None:
         raise overloaded(exc.message) from None
 
 
-def authorize(auth: Authenticator, service: Service, request: Request) -> str:
-    """Check origin, key (``Authorization: Bearer`` or ``?token=``) and the per-key quota;
-    returns the key id, to :meth:`Authenticator.release` when the response ends."""
+def authorize(auth: Authenticator, service: Service, request: Request, *,
+              admit: bool = True) -> str:
+    """Check origin, key (``Authorization: Bearer`` or ``?token=``) and, with ``admit``, the
+    per-key quota; returns the key id, to :meth:`Authenticator.release` (after an admit)
+    when the response ends."""
     try:
         auth.check_origin(request.headers.get("origin"))
         kid = auth.identify(request.headers.get("authorization"),
                             request.query_params.get("token"), time.time())
-        auth.admit(kid, time.monotonic())
+        if admit:
+            auth.admit(kid, time.monotonic())
     except AuthError as exc:
         service.stats.auth_rejected += 1
         if exc.status == 401:
@@ -85,6 +89,20 @@ def authorize(auth: Authenticator, service: Service, request: Request) -> str:
                            headers={"Retry-After": "10"}) from None
         raise ApiError(exc.status, exc.reason, code="forbidden") from None
     return kid
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 :class:`ApiError` past ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body larger than {limit} bytes", code="body_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"request body larger than {limit} bytes",
+                           code="body_too_large")
+    return bytes(body)
 
 
 def segment_error(exc: RttsError) -> ApiError:
@@ -129,7 +147,7 @@ class HttpContext:
     async def aclose(self) -> None:
         self.ctx.cancel()
         with contextlib.suppress(Exception):
-            await self._events.aclose()  # type: ignore[attr-defined]
+            await self._events.aclose()
         self._release()
         self._release = _nothing
 

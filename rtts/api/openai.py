@@ -19,6 +19,7 @@ import math
 from typing import Any, Final
 
 import orjson
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -28,7 +29,7 @@ from ..codecs import codec_for, open_encoder
 from ..core.service import Service
 from ..errors import ProtocolError
 from ..protocol import SynthParams
-from .common import ApiError, HttpContext, authorize, b64, check_ready, sse
+from .common import ApiError, HttpContext, authorize, b64, check_ready, read_body, sse
 
 __all__ = ["MAX_INPUT_CHARS", "MODELS", "VOICES", "OpenAIEndpoints", "chattts_speed",
            "resolve_voice"]
@@ -154,20 +155,19 @@ class OpenAIEndpoints:
 
     def _auth_only(self, request: Request) -> None:
         if self.auth.enabled:
-            kid = authorize(self.auth, self.service, request)
-            self.auth.release(kid)
+            authorize(self.auth, self.service, request, admit=False)
 
     async def speech(self, request: Request) -> Response:
         service = self.service
-        raw = await request.body()
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            raise _bad("the request body is not valid JSON", None, "invalid_json") from None
-        req = parse_speech_request(body, service)
-        check_ready(service)
         kid = authorize(self.auth, service, request)
         try:
+            raw = await read_body(request, service.config.max_message_bytes)
+            try:
+                body = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                raise _bad("the request body is not valid JSON", None, "invalid_json") from None
+            req = parse_speech_request(body, service)
+            check_ready(service)
             params = SynthParams(voice=req["voice"], speed=req["speed"])
             service.validate_params(params)
             ctx = service.open_context(
@@ -187,9 +187,11 @@ class OpenAIEndpoints:
         if req["stream_format"] == "sse":
             return StreamingResponse(_sse(stream, len(req["input"])),
                                      media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-store"})
+                                     headers={"Cache-Control": "no-store"},
+                                     background=BackgroundTask(stream.aclose))
         return StreamingResponse(stream.chunks(), media_type=codec.media_type,
-                                 headers={"Cache-Control": "no-store"})
+                                 headers={"Cache-Control": "no-store"},
+                                     background=BackgroundTask(stream.aclose))
 
 
 async def _sse(stream: HttpContext, input_chars: int) -> Any:

@@ -12,12 +12,13 @@ import time
 from typing import Any, Final
 
 import orjson
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..auth import Authenticator
-from ..codecs import CODECS, codec_for, open_encoder, output_rate
+from ..codecs import CODECS, Codec, codec_for, open_encoder, output_rate
 from ..core.service import Service
 from ..errors import ProtocolError
 from ..protocol import StartMessage, parse_client_message
@@ -49,21 +50,7 @@ class RestEndpoints:
             {"id": c.name, "media_type": c.media_type, "sample_rate": c.fixed_rate}
             for c in CODECS.values()]})
 
-    async def token(self, request: Request) -> Response:
-        """``GET /v1/token`` with ``Authorization: Bearer <key>``: a short-lived browser token."""
-        if not self.auth.enabled:
-            return PlainTextResponse("auth is off: no token needed\n", status_code=404)
-        kid = self.auth.key_from_header(request.headers.get("authorization"))
-        if kid is None:
-            return PlainTextResponse("missing or invalid API key\n", status_code=401,
-                                     headers={"WWW-Authenticate": "Bearer"})
-        body = {"token": self.auth.issue_token(kid, time.time()),
-                "expires_in": self.auth.config.token_ttl_s}
-        return Response(orjson.dumps(body), media_type="application/json",
-                        headers={"Cache-Control": "no-store"})
-
-    async def tts(self, request: Request) -> Response:
-        service = self.service
+    def _parse_tts(self, request: Request) -> tuple[StartMessage, Codec, str]:
         query = request.query_params
         text = query.get("text") or ""
         if not text.strip() or len(text) > MAX_TTS_CHARS:
@@ -85,12 +72,30 @@ class RestEndpoints:
         try:
             msg = parse_client_message(orjson.dumps(start))
             assert isinstance(msg, StartMessage)
-            service.validate_params(msg.params)
+            self.service.validate_params(msg.params)
         except ProtocolError as exc:
             raise ApiError(400, exc.message, code=str(exc.code)) from None
-        check_ready(service)
+        return msg, codec, text
+
+    async def token(self, request: Request) -> Response:
+        """``GET /v1/token`` with ``Authorization: Bearer <key>``: a short-lived browser token."""
+        if not self.auth.enabled:
+            return PlainTextResponse("auth is off: no token needed\n", status_code=404)
+        kid = self.auth.key_from_header(request.headers.get("authorization"))
+        if kid is None:
+            return PlainTextResponse("missing or invalid API key\n", status_code=401,
+                                     headers={"WWW-Authenticate": "Bearer"})
+        body = {"token": self.auth.issue_token(kid, time.time()),
+                "expires_in": self.auth.config.token_ttl_s}
+        return Response(orjson.dumps(body), media_type="application/json",
+                        headers={"Cache-Control": "no-store"})
+
+    async def tts(self, request: Request) -> Response:
+        service = self.service
         kid = authorize(self.auth, service, request)
         try:
+            msg, codec, text = self._parse_tts(request)
+            check_ready(service)
             ctx = service.open_context(
                 msg.params, max_chunk_chars=service.config.limits.default_max_chunk_chars,
                 lookahead=service.config.lookahead_segments)
@@ -106,4 +111,5 @@ class RestEndpoints:
         rate = output_rate(codec, msg.sample_rate)
         return StreamingResponse(stream.chunks(), media_type=codec.media_type,
                                  headers={"Cache-Control": "no-store",
-                                          "X-Sample-Rate": str(rate)})
+                                          "X-Sample-Rate": str(rate)},
+                                 background=BackgroundTask(stream.aclose))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -92,6 +92,7 @@ class SpeechContext:
         self._next_index = 0
         self._ended = False
         self._cancelled = False
+        self.finished = False  # Done was yielded
         self._wakeup = asyncio.Event()
         service.stats.contexts_total += 1
 
@@ -115,7 +116,8 @@ class SpeechContext:
         """Stop now: in-flight requests are cancelled and :meth:`events` returns."""
         if not self._cancelled:
             self._cancelled = True
-            self.service.stats.cancels += 1
+            if not self.finished:
+                self.service.stats.cancels += 1
         self._release()
         self._wakeup.set()
 
@@ -142,7 +144,7 @@ class SpeechContext:
                 chunk.text, self.params, first=index == 0, use_cache=self.use_cache)
             self._inflight.append((index, chunk, source, key))
 
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(self) -> AsyncGenerator[Event, None]:
         """Segment events in order until :class:`Done` (or the context is cancelled)."""
         stats = self.service.stats
         segments = samples_total = failed = 0
@@ -151,6 +153,7 @@ class SpeechContext:
                 await self._submit_ahead()
                 if not self._inflight:
                     if self._ended and not self._pending:
+                        self.finished = True
                         yield Done(segments, samples_total, failed)
                         return
                     self._wakeup.clear()

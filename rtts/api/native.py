@@ -26,7 +26,6 @@ import logging
 import secrets
 import time
 import urllib.parse
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,21 +37,21 @@ from websockets.http11 import Request, Response
 
 from ..audio import StreamingResampler, float_to_pcm16
 from ..auth import Authenticator, AuthError
-from ..cache import CachedStream
-from ..codecs import open_encoder
-from ..core.service import Service, Source
+from ..codecs import Encoder, open_encoder
+from ..core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
+from ..core.service import Service
 from ..errors import (
     CLOSE_POLICY_VIOLATION,
     CLOSE_SLOW_CLIENT,
     CLOSE_TRY_AGAIN_LATER,
     ErrorCode,
     ProtocolError,
-    RttsError,
 )
 from ..governor import Level
 from ..http import respond
 from ..pacing import LeadPacer
 from ..protocol import FrameHeader, StartMessage, pack_frame, parse_client_message
+from ..segmenter import Chunk
 from ..session import (
     Action,
     CancelContext,
@@ -331,7 +330,6 @@ class Connection:
             if isinstance(action, SendEvent):
                 await self.send(0, action.event)
             elif isinstance(action, StartContext):
-                self.app.stats.contexts_total += 1
                 cid = action.context.context_id
                 pipeline = ContextPipeline(self, action.context)
                 self.pipelines[cid] = pipeline
@@ -349,7 +347,7 @@ class Connection:
                     cancelled.cancel()
         for cid, pipeline in self.pipelines.items():
             if cid not in self.session.contexts:
-                pipeline.wakeup.set()  # finished: let its task see that and return
+                pipeline.finish()  # finished: let its task see that and return
 
     def _forget(self, cid: str, pipeline: ContextPipeline, task: asyncio.Task[None]) -> None:
         pipeline.task = None  # break pipeline -> task -> exception -> frame -> pipeline
@@ -373,150 +371,145 @@ class Connection:
 
 
 class ContextPipeline:
-    """Submits a context's segments ahead of playback and sends their audio in order."""
+    """Plays one context's :class:`~rtts.core.context.SpeechContext` onto the socket.
+
+    The session cuts the text; each cut is queued on the core context (which submits up to
+    ``lookahead_segments`` ahead and serves cache hits), and the core's events become
+    ``segment_started``, binary frames (paced, PCM16 or encoded), ``segment_done`` and
+    ``error`` messages, in order.
+    """
 
     def __init__(self, conn: Connection, ctx: ContextState) -> None:
         self.conn = conn
         self.ctx = ctx
         self.app = conn.app
-        self.pending: deque[Synthesize] = deque()
-        # (job, its audio source or the error submitting it, its cache key or None)
-        self.inflight: deque[tuple[Synthesize, Source | RttsError, str | None]] = deque()
-        self.wakeup = asyncio.Event()
+        self.speech = self.app.open_context(ctx.params, lookahead=conn.cfg.lookahead_segments,
+                                            use_cache=ctx.cache)
+        self.chunks: dict[int, Chunk] = {}  # queued segments by index
         self.task: asyncio.Task[None] | None = None
         self.first_audio_sent = False
         self.pacer = LeadPacer(conn.cfg.max_lead_s)
 
     def add(self, job: Synthesize) -> None:
-        self.pending.append(job)
-        self.wakeup.set()
+        self.chunks[job.index] = job.chunk
+        self.speech.add_segment(job.chunk)
+
+    def finish(self) -> None:
+        """The session is done with this context (every segment reported): end the events."""
+        self.speech.end()
 
     def cancel(self) -> None:
-        for _, stream, _ in self.inflight:
-            if not isinstance(stream, RttsError):
-                stream.cancel()
-        self.inflight.clear()
-        self.pending.clear()
+        self.speech.close()  # the connection counts cancels itself
         if self.task is not None:
             self.task.cancel()
 
-    async def _submit_ahead(self) -> None:
-        while self.pending and len(self.inflight) < self.conn.cfg.lookahead_segments:
-            job = self.pending.popleft()
-            source, key = await self.app.open_segment(
-                job.chunk.text, self.ctx.params, first=job.index == 0, use_cache=self.ctx.cache)
-            self.inflight.append((job, source, key))
-
     async def run(self) -> None:
+        conn, ctx = self.conn, self.ctx
+        segment: _SegmentOut | None = None
+        events = self.speech.events()
         try:
-            while True:
-                await self._submit_ahead()
-                if not self.inflight:
-                    if self.ctx.context_id not in self.conn.session.contexts:
-                        return  # done or cancelled
-                    self.wakeup.clear()
-                    await self.wakeup.wait()
-                    continue
-                job, stream, key = self.inflight[0]
-                if job.index and not isinstance(stream, RttsError) and stream.ready:
-                    # A segment boundary with the next audio already made (prefetched or
-                    # cached): nothing is late here, so let frames that are queued behind
-                    # us go first. Many streams crossing a boundary together otherwise hold
-                    # up every live frame behind their events and first frames.
-                    await asyncio.sleep(0)
-                await self._play(job, stream, key)
-                self.inflight.popleft()
+            async for event in events:
+                if isinstance(event, Audio):
+                    assert segment is not None
+                    # Frame latency (engine output -> socket) is recorded for live audio
+                    # only: audio prefetched before its segment's turn is ahead of playback
+                    # by design.
+                    live = event.produced_at if event.produced_at >= segment.play_start else 0.0
+                    await segment.audio(event.samples, live)
+                elif isinstance(event, SegmentStarted):
+                    if event.index and event.ready:
+                        # A segment boundary with the next audio already made (prefetched
+                        # or cached): nothing is late here, so let frames that are queued
+                        # behind us go first. Many streams crossing a boundary together
+                        # otherwise hold up every live frame behind their events and first
+                        # frames.
+                        await asyncio.sleep(0)
+                    chunk = self.chunks[event.index]
+                    started = conn.session.segment_started(ctx.context_id, event.index, chunk,
+                                                           event.cached)
+                    if started is not None:
+                        await conn.send(0, started.event)
+                    segment = _SegmentOut(self, event.index, event.submitted_at)
+                elif isinstance(event, SegmentDone):
+                    assert segment is not None
+                    await segment.end()
+                    self.app.stats.audio_seconds_sent += segment.total / ctx.sample_rate
+                    await conn._apply(conn.session.segment_done(
+                        ctx.context_id, event.index, self.chunks.pop(event.index),
+                        segment.total, segment.seq))
+                    segment = None
+                elif isinstance(event, SegmentFailed):
+                    self.chunks.pop(event.index, None)
+                    segment = None
+                    await conn._apply(conn.session.segment_failed(ctx.context_id, event.index,
+                                                                  event.error))
+                elif isinstance(event, Done):
+                    return
         finally:
-            for _, stream, _ in self.inflight:
-                if not isinstance(stream, RttsError):
-                    stream.cancel()
+            self.speech.close()
+            await events.aclose()
 
-    async def _play(self, job: Synthesize, stream: Source | RttsError,
-                    key: str | None) -> None:
-        conn, ctx, stats = self.conn, self.ctx, self.app.stats
-        stats.segments_total += 1
-        if isinstance(stream, RttsError):
-            stats.segment_errors += 1
-            await conn._apply(conn.session.segment_failed(ctx.context_id, job.index, stream))
-            return
-        cached = isinstance(stream, CachedStream)
-        started = conn.session.segment_started(ctx.context_id, job.index, job.chunk, cached)
-        if started is not None:
-            await conn.send(0, started.event)
-        # Frame latency (engine output -> socket) is recorded for live audio only: audio
-        # prefetched before its segment's turn is ahead of playback by design.
-        play_start = time.monotonic()
-        resampler = StreamingResampler(self.app.engine.sample_rate, ctx.sample_rate)
-        encoder = None if ctx.format == "pcm16" else open_encoder(
-            ctx.format, self.app.engine.sample_rate, ctx.sample_rate)
-        frame_len = max(1, ctx.sample_rate * conn.cfg.frame_ms // 1000)
-        seq = 0
-        total = 0
 
-        async def emit(samples: np.ndarray, produced_at: float) -> None:
-            nonlocal seq, total
-            for i in range(0, len(samples), frame_len):
-                piece = samples[i:i + frame_len]
-                wait = self.pacer.delay(time.monotonic())
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                    if produced_at:  # pacing is not latency: count from the end of the wait
-                        produced_at = time.monotonic()
-                header = FrameHeader(ctx.stream, job.index, seq)
-                await conn.send(ctx.stream, pack_frame(header, float_to_pcm16(piece)),
-                                produced_at)
-                seq += 1
-                total += len(piece)
-                self.pacer.sent(len(piece) / ctx.sample_rate, time.monotonic())
-                if not self.first_audio_sent:
-                    self.first_audio_sent = True
-                    stats.ttfa_s.append(time.monotonic() - stream.submitted_at)
+class _SegmentOut:
+    """One segment's audio on its way out: resample or encode, frame, pace, send."""
 
-        async def emit_encoded(samples: np.ndarray | None, produced_at: float) -> None:
-            """One frame of whatever the encoder made of this audio (None: its tail)."""
-            nonlocal seq, total
-            assert encoder is not None
-            before = encoder.samples
-            data = encoder.finish() if samples is None else encoder.encode(samples)
-            n = encoder.samples - before
-            total += n
-            if not data:
-                return
-            wait = self.pacer.delay(time.monotonic())
-            if wait > 0:
-                await asyncio.sleep(wait)
-                if produced_at:
-                    produced_at = time.monotonic()
-            await conn.send(ctx.stream, pack_frame(FrameHeader(ctx.stream, job.index, seq),
-                                                   data), produced_at)
-            seq += 1
-            self.pacer.sent(n / ctx.sample_rate, time.monotonic())
-            if not self.first_audio_sent:
-                self.first_audio_sent = True
-                stats.ttfa_s.append(time.monotonic() - stream.submitted_at)
+    def __init__(self, pipeline: ContextPipeline, index: int, submitted_at: float) -> None:
+        self.p = pipeline
+        ctx, rate = pipeline.ctx, pipeline.app.engine.sample_rate
+        self.index = index
+        self.submitted_at = submitted_at
+        self.play_start = time.monotonic()
+        self.resampler = StreamingResampler(rate, ctx.sample_rate)
+        self.encoder: Encoder | None = None if ctx.format == "pcm16" else open_encoder(
+            ctx.format, rate, ctx.sample_rate)
+        self.frame_len = max(1, ctx.sample_rate * pipeline.conn.cfg.frame_ms // 1000)
+        self.seq = 0
+        self.total = 0  # samples at the context's rate
 
-        recorder = self.app.segment_recorder(key)
-        try:
-            async for samples in stream:
-                recorder.add(samples)
-                await self._submit_ahead()
-                live = stream.produced_at if stream.produced_at >= play_start else 0.0
-                if encoder is None:
-                    await emit(resampler.process(samples), live)
-                else:
-                    await emit_encoded(samples, live)
-            if encoder is None:
-                await emit(resampler.flush(), 0.0)
-            else:
-                await emit_encoded(None, 0.0)
-        except RttsError as exc:
-            stats.segment_errors += 1
-            await conn._apply(conn.session.segment_failed(ctx.context_id, job.index, exc))
-            return
-        recorder.commit(stream)
-        stats.audio_seconds_sent += total / ctx.sample_rate
-        await conn._apply(conn.session.segment_done(ctx.context_id, job.index, job.chunk,
-                                                    total, seq))
+    async def audio(self, samples: np.ndarray, produced_at: float) -> None:
+        if self.encoder is None:
+            await self._pcm(self.resampler.process(samples), produced_at)
+        else:
+            await self._encoded(samples, produced_at)
+
+    async def end(self) -> None:
+        if self.encoder is None:
+            await self._pcm(self.resampler.flush(), 0.0)
+        else:
+            await self._encoded(None, 0.0)
+
+    async def _send(self, payload: bytes, produced_at: float, seconds: float) -> None:
+        p = self.p
+        wait = p.pacer.delay(time.monotonic())
+        if wait > 0:
+            await asyncio.sleep(wait)
+            if produced_at:  # pacing is not latency: count from the end of the wait
+                produced_at = time.monotonic()
+        header = FrameHeader(p.ctx.stream, self.index, self.seq)
+        await p.conn.send(p.ctx.stream, pack_frame(header, payload), produced_at)
+        self.seq += 1
+        p.pacer.sent(seconds, time.monotonic())
+        if not p.first_audio_sent:
+            p.first_audio_sent = True
+            p.app.stats.ttfa_s.append(time.monotonic() - self.submitted_at)
+
+    async def _pcm(self, samples: np.ndarray, produced_at: float) -> None:
+        rate = self.p.ctx.sample_rate
+        for i in range(0, len(samples), self.frame_len):
+            piece = samples[i:i + self.frame_len]
+            await self._send(float_to_pcm16(piece), produced_at, len(piece) / rate)
+            self.total += len(piece)
+
+    async def _encoded(self, samples: np.ndarray | None, produced_at: float) -> None:
+        """One frame of whatever the encoder made of this audio (None: its tail)."""
+        encoder = self.encoder
+        assert encoder is not None
+        before = encoder.samples
+        data = encoder.finish() if samples is None else encoder.encode(samples)
+        n = encoder.samples - before
+        self.total += n
+        if data:
+            await self._send(data, produced_at, n / self.p.ctx.sample_rate)
 
 
 def _peek_context(message: str) -> str | None:

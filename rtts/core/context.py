@@ -43,6 +43,8 @@ class SegmentStarted:
     start: int  # character offsets of the segment in the context's input
     end: int
     cached: bool
+    ready: bool = False  # its audio (or its end) is already here: nothing is late
+    submitted_at: float = 0.0  # monotonic time its request was made (for time to first audio)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,12 +114,21 @@ class SpeechContext:
         self._ended = True
         self._wakeup.set()
 
+    def add_segment(self, chunk: Chunk) -> None:
+        """Queue a segment the caller cut itself (the native protocol's session does its own
+        segmentation, timers included); its index is the next one."""
+        self._queue([chunk])
+
     def cancel(self) -> None:
-        """Stop now: in-flight requests are cancelled and :meth:`events` returns."""
-        if not self._cancelled:
-            self._cancelled = True
-            if not self.finished:
-                self.service.stats.cancels += 1
+        """Stop now: in-flight requests are cancelled and :meth:`events` returns. Counted
+        in ``stats.cancels`` unless the context had finished."""
+        if not self._cancelled and not self.finished:
+            self.service.stats.cancels += 1
+        self.close()
+
+    def close(self) -> None:
+        """Like :meth:`cancel`, for a caller that counts its own cancels (or none)."""
+        self._cancelled = True
         self._release()
         self._wakeup.set()
 
@@ -169,7 +180,8 @@ class SpeechContext:
                     yield SegmentFailed(index, source)
                     continue
                 yield SegmentStarted(index, chunk.text, chunk.start, chunk.end,
-                                     getattr(source, "cached", False))
+                                     getattr(source, "cached", False), source.ready,
+                                     source.submitted_at)
                 recorder = self.service.segment_recorder(key)
                 n = 0
                 try:

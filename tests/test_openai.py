@@ -311,3 +311,20 @@ async def test_oversized_body_is_413():
             await sdk(app).audio.speech.create(model="tts-1", voice="alloy", input="Hi.",
                                                extra_body={"pad": "x" * 300_000})
         assert info.value.status_code == 413 and "larger than" in info.value.message
+
+
+async def test_disallowed_origin_is_403():
+    cfg = base_config(auth=replace(AuthConfig(), allowed_origins=("https://app.example",)))
+    async with server(cfg) as (app, _):
+        evil = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{bound_port(app)}/v1",
+                                  api_key="x", max_retries=0,
+                                  default_headers={"Origin": "https://evil.example"})
+        with pytest.raises(openai.PermissionDeniedError) as info:
+            await evil.audio.speech.create(model="tts-1", voice="alloy", input="Hi.")
+        assert "origin" in info.value.message
+        good = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{bound_port(app)}/v1",
+                                  api_key="x", max_retries=0,
+                                  default_headers={"Origin": "https://app.example"})
+        audio = await good.audio.speech.create(model="tts-1", voice="alloy", input="Hi.",
+                                               response_format="aac")
+        assert decode(audio.content)[0] == "aac"

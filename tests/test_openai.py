@@ -69,7 +69,12 @@ async def test_streaming_response_reads_arrive_while_later_segments_are_generate
                 model="tts-1", voice="nova", input=TEXT, response_format="pcm") as resp:
             assert resp.headers["content-type"].startswith("audio/pcm")
             async for chunk in resp.iter_bytes():
+                if not reads:  # at the first read, later segments are still being made
+                    completed_at_first_read = app.scheduler.completed
+                    busy = app.scheduler.running_batches + app.scheduler.queue_depth
                 reads.append((time.monotonic() - t0, len(chunk)))
+        assert busy > 0
+        assert app.scheduler.completed - completed_at_first_read >= 2  # segments made after
         total = sum(n for _, n in reads)
         audio_s = total / 2 / 24000
         first, last = reads[0][0], reads[-1][0]

@@ -17,7 +17,7 @@ ARG TORCH_CONSTRAINT="torch==2.13.0"
 ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 RTTS_HOME=/var/lib/rtts
 
 WORKDIR /app
-COPY pyproject.toml README.md constraints.txt ./
+COPY pyproject.toml setup.py MANIFEST.in README.md constraints.txt ./
 COPY rtts ./rtts
 COPY web ./web
 

@@ -1,15 +1,15 @@
-"""Audio helpers: float32 -> PCM16, streaming rational resampling, WAV encoding. Pure numpy."""
+"""Audio helpers: float32 -> PCM16, streaming resampling (soxr), WAV encoding."""
 
 from __future__ import annotations
 
-import functools
 import io
-from math import gcd
 
 import numpy as np
 import numpy.typing as npt
+import soxr
 
-__all__ = ["StreamingResampler", "float_to_pcm16", "pcm16_to_float", "wav_bytes"]
+__all__ = ["StreamingResampler", "float_to_pcm16", "pcm16_to_float", "resampled_length",
+           "wav_bytes"]
 
 FloatArray = npt.NDArray[np.float32]
 
@@ -34,84 +34,52 @@ def wav_bytes(samples: npt.NDArray[np.floating], sample_rate: int) -> bytes:
     return buf.getvalue()
 
 
-_PASSTHROUGH = np.zeros((1, 1), dtype=np.float32)
-
-
-@functools.lru_cache(maxsize=64)
-def _filter_bank(up: int, down: int, half: int) -> FloatArray:
-    """Polyphase windowed-sinc bank: for output phase p, tap k applies to input
-    x[base + k - half + 1]. Read-only; shared by every resampler of this rate pair."""
-    cutoff = min(1.0, up / down)  # relative to the input Nyquist
-    phases = np.arange(up, dtype=np.float64) / up
-    k = np.arange(-half + 1, half + 1, dtype=np.float64)
-    t = k[None, :] - phases[:, None]  # distance from the ideal position, in input samples
-    window = np.kaiser(2 * half + 1, 8.0)
-    w = np.interp(t, np.arange(-half, half + 1), window)
-    bank: FloatArray = (cutoff * np.sinc(cutoff * t) * w).astype(np.float32)
-    bank.flags.writeable = False
-    return bank
-
-
 class StreamingResampler:
-    """Rational polyphase resampler (windowed sinc) that keeps state across chunks.
+    """Streaming sample-rate converter with state across chunks: soxr's ``ResampleStream``
+    at quality ``"HQ"`` (about 140 dB stopband, linear phase, delay compensated).
 
-    Feeding a signal in pieces gives the same output as feeding it whole; the filter's
-    group delay is compensated so output sample ``n`` lines up with input time
-    ``n * src / dst``. Call :meth:`flush` once at the end to get the tail.
+    Feeding a signal in pieces gives exactly the same output as feeding it whole. Call
+    :meth:`flush` once at the end: the total output is then exactly
+    ``floor(n_in * dst / src + 1/2)`` samples (:func:`resampled_length`) for ``n_in``
+    input samples, whatever the chunking. Equal rates pass samples through untouched.
     """
 
-    def __init__(self, src_rate: int, dst_rate: int, half_taps: int = 16) -> None:
-        g = gcd(src_rate, dst_rate)
-        self.up = dst_rate // g
-        self.down = src_rate // g
-        self.passthrough = self.up == self.down
-        self.half = half_taps
-        # One resampler per segment: the bank is built once per rate pair, not each time.
-        self._bank = _PASSTHROUGH if self.passthrough else _filter_bank(self.up, self.down,
-                                                                        half_taps)
-        self._hist = np.zeros(self.half, dtype=np.float32)  # look-back context
-        self._hist_len = 0  # how many real samples precede the buffer's start
-        self._buf = np.zeros(0, dtype=np.float32)
-        self._consumed = 0  # input samples before _buf[0]
+    def __init__(self, src_rate: int, dst_rate: int) -> None:
+        self.src_rate = src_rate
+        self.dst_rate = dst_rate
+        self.passthrough = src_rate == dst_rate
+        self._stream = None if self.passthrough else soxr.ResampleStream(
+            src_rate, dst_rate, 1, dtype="float32", quality="HQ")
+        self._n_in = 0
         self._n_out = 0
 
     def process(self, chunk: npt.NDArray[np.floating]) -> FloatArray:
-        x = np.asarray(chunk, dtype=np.float32).ravel()
-        if self.passthrough:
+        x = np.ascontiguousarray(chunk, dtype=np.float32).ravel()
+        if self._stream is None:
             return x
-        self._buf = np.concatenate([self._buf, x])
-        return self._emit(final=False)
+        self._n_in += len(x)
+        return self._out(self._stream.resample_chunk(x))
 
     def flush(self) -> FloatArray:
-        if self.passthrough:
+        """The tail held back by the filter, trimmed or zero-padded to the exact length."""
+        if self._stream is None:
             return np.zeros(0, dtype=np.float32)
-        return self._emit(final=True)
+        tail = self._stream.resample_chunk(np.zeros(0, dtype=np.float32), last=True)
+        need = max(0, resampled_length(self._n_in, self.src_rate, self.dst_rate) - self._n_out)
+        if len(tail) > need:
+            tail = tail[:need]
+        elif len(tail) < need:
+            tail = np.concatenate([tail, np.zeros(need - len(tail), dtype=np.float32)])
+        return self._out(tail)
 
-    def _emit(self, *, final: bool) -> FloatArray:
-        total_in = self._consumed + len(self._buf)
-        # Output n needs input up to floor(n*down/up) + half; at the end pad with zeros.
-        if final:
-            n_end = -(-total_in * self.up // self.down)
-        else:
-            n_end = max(0, ((total_in - self.half) * self.up) // self.down)
-        if n_end <= self._n_out:
-            return np.zeros(0, dtype=np.float32)
-        n = np.arange(self._n_out, n_end, dtype=np.int64)
-        base = (n * self.down) // self.up
-        phase = (n * self.down) % self.up
-        ext = np.concatenate([self._hist, self._buf, np.zeros(2 * self.half, np.float32)])
-        offset = self._consumed - len(self._hist)  # input index of ext[0]
-        idx = (base - offset)[:, None] + np.arange(-self.half + 1, self.half + 1)[None, :]
-        out = np.einsum("ij,ij->i", ext[idx], self._bank[phase])
-        self._n_out = n_end
-        # Drop input no longer needed, keeping `half` samples of history.
-        keep_from = int((n_end * self.down) // self.up) - self.half
-        drop = max(0, keep_from - self._consumed)
-        drop = min(drop, len(self._buf))
-        if drop:
-            merged = np.concatenate([self._hist, self._buf[:drop]])
-            self._hist = merged[-self.half:]
-            self._buf = self._buf[drop:]
-            self._consumed += drop
-        result: FloatArray = out.astype(np.float32)
-        return result
+    def _out(self, y: npt.NDArray[np.floating]) -> FloatArray:
+        out: FloatArray = np.asarray(y, dtype=np.float32)
+        self._n_out += len(out)
+        return out
+
+
+def resampled_length(n_in: int, src_rate: int, dst_rate: int) -> int:
+    """Output samples for ``n_in`` input samples: ``n_in * dst / src`` rounded to the nearest
+    integer, halves up. soxr's own count agrees except at some exact halves, where it rounds
+    either way; :meth:`StreamingResampler.flush` then trims or pads one sample."""
+    return (2 * n_in * dst_rate + src_rate) // (2 * src_rate)

@@ -175,7 +175,8 @@ async def bench_chattts(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     ecfg = EngineConfig(source="custom", model_dir=args.model_dir, device=args.device,
                         threads=args.threads, fixed_tokens=args.tokens,
-                        stream_tokens=args.stream_tokens)
+                        stream_tokens=args.stream_tokens, dtype=args.dtype,
+                        batch_rows=args.streams)
     # No phrase cache: every run must synthesize (the runs repeat the same text).
     base = ServerConfig(port=0, ping_interval_s=None, web_dir=None,
                         cache=CacheConfig(memory_mb=0))
@@ -185,8 +186,9 @@ async def bench_chattts(args: argparse.Namespace) -> dict[str, Any]:
         ("rtts", ChatTTSEngine,
          SchedulerConfig(max_batch_size=args.streams, max_wait_ms=20, request_timeout_s=3600)),
     ]
-    out: dict[str, Any] = {"tokens": args.tokens, "threads": args.threads,
-                           "repeat": args.repeat, "model_rss_mb": {}, "runs": {}}
+    out: dict[str, Any] = {"tokens": args.tokens, "threads": args.threads, "cpu": _cpu_model(),
+                           "dtype": args.dtype, "repeat": args.repeat, "model_rss_mb": {},
+                           "runs": {}}
     proc = psutil.Process()
     urls: dict[str, str] = {}
     samples: dict[str, list[dict[str, float]]] = {}
@@ -203,6 +205,9 @@ async def bench_chattts(args: argparse.Namespace) -> dict[str, Any]:
                                                    max_new_token=16)]):
                 pass
             out["device"] = engine.device
+            table = getattr(engine, "kernel_table", None)
+            if table is not None:
+                out["kernels"] = table.as_dict()
             out["model_rss_mb"][name] = (proc.memory_info().rss - rss0) / 2**20
             print(f"{name}: loaded {args.model_dir} on {engine.device} in "
                   f"{time.perf_counter() - t:.1f}s", file=sys.stderr)
@@ -231,6 +236,219 @@ async def bench_chattts(args: argparse.Namespace) -> dict[str, Any]:
     out["throughput_ratio"] = r[f"rtts@{n}"]["throughput"] / stock_n["throughput"]
     out["ttfa1_ratio"] = r["rtts@1"]["ttfa_p50_s"] / r["stock-serialized@1"]["ttfa_p50_s"]
     return out
+
+
+# -- staggered arrivals: continuous vs static batching ----------------------------------
+
+PARAGRAPH = ("Hello, thanks for waiting. The weather today is sunny with a light breeze. "
+             "Tomorrow brings rain in the afternoon, so take an umbrella.")
+
+
+def arrival_times(clients: int, gap_s: float, poisson: bool, seed: int) -> list[float]:
+    """Start offsets: every ``gap_s`` seconds, or a Poisson process of mean gap ``gap_s``."""
+    if not poisson:
+        return [i * gap_s for i in range(clients)]
+    import random
+
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(clients):
+        out.append(t)
+        t += rng.expovariate(1.0 / gap_s)
+    return out
+
+
+async def run_staggered(url: str, starts: list[float], text: str) -> list[StreamResult]:
+    async def client(i: int, at: float) -> StreamResult:
+        await asyncio.sleep(at)
+        return await one_stream(url, text, i)
+
+    return list(await asyncio.gather(*(client(i, at) for i, at in enumerate(starts))))
+
+
+def staggered_row(results: list[StreamResult]) -> dict[str, float]:
+    first = results[0].ttfa_s
+    late = [r.ttfa_s for r in results[1:]]
+    return {"first_ttfa_s": first, "late_ttfa_median_s": statistics.median(late),
+            "late_ttfa_max_s": max(late),
+            "late_median_ratio": statistics.median(late) / first,
+            "late_max_ratio": max(late) / first,
+            "wall_s": max(r.wall_s for r in results)}
+
+
+async def bench_staggered(args: argparse.Namespace) -> dict[str, Any]:
+    """Clients arriving one by one (``--arrivals N --gap S [--poisson]``), each streaming
+    a short paragraph, against two rtts servers in this process that differ only in
+    batching: static (a batch runs to its end; today's behaviour before continuous
+    batching) and continuous (arrivals join at the next step)."""
+    from .engines.chattts_engine import configure_threads_env
+
+    configure_threads_env()
+    import torch
+
+    from .cache import CacheConfig
+    from .config import EngineConfig, ServerConfig
+    from .engines.chattts_engine import ChatTTSEngine
+    from .scheduler import SchedulerConfig
+    from .server import bound_port, run_server
+
+    torch.set_num_threads(args.threads)
+    ecfg = EngineConfig(source="custom", model_dir=args.model_dir, device=args.device,
+                        threads=args.threads, fixed_tokens=args.tokens, dtype=args.dtype,
+                        stream_tokens=args.stream_tokens, batch_rows=args.slots)
+    base = ServerConfig(port=0, ping_interval_s=None, web_dir=None,
+                        cache=CacheConfig(memory_mb=0))
+    starts = arrival_times(args.arrivals, args.gap, args.poisson, args.seed)
+    out: dict[str, Any] = {"cpu": _cpu_model(), "threads": args.threads, "tokens": args.tokens,
+                           "slots": args.slots, "dtype": args.dtype, "arrivals": starts,
+                           "text": args.paragraph, "runs": {}}
+    urls: dict[str, str] = {}
+    modes = ("static", "continuous")
+    async with contextlib.AsyncExitStack() as stack:
+        for mode in modes:
+            engine = ChatTTSEngine(ecfg)
+            engine.load()
+            engine.warmup()
+            if engine.kernel_table is not None:
+                out["kernels"] = engine.kernel_table.as_dict()
+            sched = SchedulerConfig(max_batch_size=args.slots, max_wait_ms=20,
+                                    request_timeout_s=3600, batching=mode)
+            app = await stack.enter_async_context(
+                run_server(replace(base, scheduler=sched), engine, load=False))
+            await app.start_serving()
+            urls[mode] = f"ws://127.0.0.1:{bound_port(app)}{base.ws_path}"
+        for rep in range(args.repeat):
+            for mode in modes:
+                results = await run_staggered(urls[mode], starts, args.paragraph)
+                row = staggered_row(results)
+                row["ttfa_s"] = [r.ttfa_s for r in results]  # type: ignore[assignment]
+                out["runs"].setdefault(mode, []).append(row)
+                print(f"{mode:>10} run {rep + 1}: ttfa=" +
+                      ", ".join(f"{r.ttfa_s:.2f}" for r in results) +
+                      f"  late/first median {row['late_median_ratio']:.2f}x "
+                      f"max {row['late_max_ratio']:.2f}x", file=sys.stderr, flush=True)
+    for mode in modes:
+        rows = out["runs"][mode]
+        out[mode] = {k: statistics.median(r[k] for r in rows)
+                     for k in rows[0] if k != "ttfa_s"}
+    return out
+
+
+# -- kernels mode: GPT step time and accuracy per weight precision ---------------------
+
+
+def _step_ms(engine: Any, rows: int, steps: int) -> float:
+    """Median wall time of one decode step of ``rows`` rows (the engine's GPT, real
+    prompts, the installed kernels)."""
+    import torch
+
+    from .engines.base import SynthRequest
+    from .engines.gpt_loop import BatchedGpt
+    from .protocol import SynthParams
+
+    chat = engine.chat
+    gpt = BatchedGpt(chat.gpt, chat.config.gpt.num_vq, chat.config.gpt.num_audio_tokens - 1,
+                     slots=rows)
+    reqs = [SynthRequest(f"{BENCH_TEXT}, {i}.", SynthParams(seed=i), max_new_token=steps + 8)
+            for i in range(rows)]
+    times = []
+    cuda = engine.device.startswith("cuda")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    with torch.no_grad():
+        gpt.add(engine._specs(reqs))
+        for _ in range(steps):
+            sync()
+            t0 = time.perf_counter()
+            gpt.step()
+            sync()
+            times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times[2:])
+
+
+def _forced_logits(engine: Any, codes: Any | None, tokens: int) -> tuple[Any, Any]:
+    """Run one row for ``tokens`` steps; with ``codes`` (tokens, vq), feed those instead of
+    the drawn ones (teacher forcing). Returns (logits (tokens, vq, V), codes)."""
+    import torch
+
+    from .engines.base import SynthRequest
+    from .engines.gpt_loop import BatchedGpt
+    from .protocol import SynthParams
+
+    chat = engine.chat
+    gpt = BatchedGpt(chat.gpt, chat.config.gpt.num_vq, chat.config.gpt.num_audio_tokens - 1,
+                     slots=1)
+    req = SynthRequest(BENCH_TEXT + ".", SynthParams(seed=3), max_new_token=tokens)
+    with torch.no_grad():
+        spec = engine._specs([req])[0]
+        spec.min_tokens = tokens
+        [row] = gpt.add([spec])
+        while not row.finished:
+            if codes is not None:
+                row.codes[row.length - 1] = codes[row.length - 1]
+                row.last = codes[row.length - 1]
+            gpt.step()
+        h = row.hiddens[:tokens]
+        logits = torch.stack([head(h) for head in chat.gpt.head_code], 1).float()
+    return logits, row.codes[:tokens].clone()
+
+
+async def bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
+    from .engines.chattts_engine import configure_threads_env
+
+    configure_threads_env()
+    import torch
+
+    from .config import EngineConfig
+    from .engines.chattts_engine import ChatTTSEngine
+
+    torch.set_num_threads(args.threads)
+    cpu = _cpu_model()
+    out: dict[str, Any] = {"cpu": cpu, "threads": args.threads, "tokens": args.tokens,
+                           "dtypes": {}}
+    ref_logits = ref_codes = None
+    rows_list = [int(r) for r in args.rows.split(",")]
+    for dtype in args.dtypes.split(","):
+        engine = ChatTTSEngine(EngineConfig(source="custom", model_dir=args.model_dir,
+                                            device=args.device, threads=args.threads,
+                                            dtype=dtype,
+                                            batch_rows=max(rows_list), kernels=args.kernels))
+        engine.load()
+        table = engine.kernel_table
+        res: dict[str, Any] = {"kernels": table.as_dict() if table else None}
+        res["step_ms"] = {r: _step_ms(engine, r, args.steps) for r in rows_list}
+        logits, codes = _forced_logits(engine, ref_codes, args.tokens)
+        if ref_logits is None:
+            ref_logits, ref_codes = logits, codes
+        cos = torch.nn.functional.cosine_similarity(
+            logits.flatten(0, 1), ref_logits.flatten(0, 1), dim=-1)
+        res["logits_cosine_mean"] = float(cos.mean())
+        res["logits_cosine_min"] = float(cos.min())
+        res["greedy_agreement"] = float(
+            (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
+        out["dtypes"][dtype] = res
+        print(f"{dtype}: {json.dumps(res)}", file=sys.stderr, flush=True)
+        engine.close()
+        del engine
+    base = out["dtypes"].get("fp32")
+    if base:
+        for res in out["dtypes"].values():
+            res["speedup_vs_fp32"] = {r: base["step_ms"][r] / ms
+                                      for r, ms in res["step_ms"].items()}
+    return out
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    import platform
+
+    return platform.processor() or platform.machine()
 
 
 # -- fake mode --------------------------------------------------------------------------
@@ -411,9 +629,36 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--stream-tokens", type=int, default=8)
     c.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     c.add_argument("--device", default="auto")
+    c.add_argument("--dtype", default="fp32", help="the rtts server's --dtype")
     c.add_argument("--text", default=BENCH_TEXT)
     c.add_argument("--repeat", type=int, default=2, help="alternating runs per setting")
     c.add_argument("--json", type=Path, default=None, help="also write results here")
+    st = bsub.add_parser("staggered", help="clients arriving one by one: continuous vs "
+                         "static batching, time to first audio of the first vs the rest")
+    st.add_argument("--model-dir", type=Path, required=True)
+    st.add_argument("--arrivals", type=int, default=6, help="clients")
+    st.add_argument("--gap", type=float, default=1.5, help="seconds between arrivals (mean)")
+    st.add_argument("--poisson", action="store_true", help="Poisson arrivals, mean --gap")
+    st.add_argument("--seed", type=int, default=1, help="Poisson arrival seed")
+    st.add_argument("--slots", type=int, default=8, help="the servers' --max-batch-size")
+    st.add_argument("--tokens", type=int, default=64, help="GPT steps per segment")
+    st.add_argument("--stream-tokens", type=int, default=8)
+    st.add_argument("--dtype", default="fp32")
+    st.add_argument("--paragraph", default=PARAGRAPH)
+    st.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    st.add_argument("--device", default="auto")
+    st.add_argument("--repeat", type=int, default=1)
+    st.add_argument("--json", type=Path, default=None)
+    kn = bsub.add_parser("kernels", help="GPT step time and accuracy per --dtype")
+    kn.add_argument("--model-dir", type=Path, required=True)
+    kn.add_argument("--dtypes", default="fp32,bf16,int8")
+    kn.add_argument("--rows", default="1,4", help="batch sizes to time")
+    kn.add_argument("--steps", type=int, default=24, help="decode steps timed per batch size")
+    kn.add_argument("--tokens", type=int, default=128, help="decode length for accuracy")
+    kn.add_argument("--kernels", default="auto", help="as rtts serve --kernels")
+    kn.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    kn.add_argument("--device", default="auto")
+    kn.add_argument("--json", type=Path, default=None)
     f = bsub.add_parser("fake", help="server overhead with the fake engine")
     f.add_argument("--streams", type=int, default=200)
     f.add_argument("--idle", type=int, default=1000)
@@ -439,7 +684,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    runner = {"chattts": bench_chattts, "fake": bench_fake, "soak": bench_soak}[args.bench_mode]
+    runner = {"chattts": bench_chattts, "fake": bench_fake, "soak": bench_soak,
+              "kernels": bench_kernels, "staggered": bench_staggered}[args.bench_mode]
     out = asyncio.run(runner(args))
     text = json.dumps(out, indent=1)
     print(text)

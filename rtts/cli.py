@@ -38,11 +38,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     s.add_argument("--max-new-token", type=int, default=EngineConfig.max_new_token)
+    s.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default=EngineConfig.dtype,
+                   help="GPT weight precision (int8: weight-only, see README for accuracy)")
+    s.add_argument("--kernels", default=EngineConfig.kernels,
+                   choices=["auto", "linear", "transposed", "bf16", "int8", "int8dyn"],
+                   help="GPT linear kernel: auto measures each path at load and keeps "
+                        "the fastest per batch size")
     s.add_argument("--stream-tokens", type=int, default=EngineConfig.stream_tokens,
                    help="GPT steps between partial decodes (first audio after this many)")
     s.add_argument("--decode-tokens", type=int, default=EngineConfig.decode_tokens,
                    help="after the first audio, decode every this many GPT steps")
-    s.add_argument("--max-batch-size", type=int, default=SchedulerConfig.max_batch_size)
+    s.add_argument("--max-batch-size", type=int, default=SchedulerConfig.max_batch_size,
+                   help="rows (slots) of a running batch")
+    s.add_argument("--batching", choices=["continuous", "static"],
+                   default=SchedulerConfig.batching,
+                   help="continuous: requests join a running batch at its next step; "
+                        "static: a batch runs to its end before the next one starts")
+    s.add_argument("--degraded-slots", type=int, default=None,
+                   help="while the load governor is degraded, at most this many slots")
     s.add_argument("--max-wait-ms", type=float, default=SchedulerConfig.max_wait_ms)
     s.add_argument("--concurrency", type=int, default=SchedulerConfig.concurrency,
                    help="batches running at once on the device")
@@ -101,12 +114,14 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             name=args.engine, source=args.source, model_dir=args.model_dir,
             device=args.device, threads=args.threads, max_new_token=args.max_new_token,
             stream_tokens=args.stream_tokens, decode_tokens=args.decode_tokens,
-            fake_rtf=args.fake_rtf,
+            fake_rtf=args.fake_rtf, dtype=args.dtype, kernels=args.kernels,
+            batch_rows=args.max_batch_size,
         ),
         scheduler=SchedulerConfig(
             max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
             concurrency=args.concurrency, max_queue=args.max_queue,
-            request_timeout_s=args.request_timeout,
+            request_timeout_s=args.request_timeout, batching=args.batching,
+            degraded_slots=args.degraded_slots,
         ),
         limits=replace(base.limits, max_contexts=args.max_contexts),
         instance_id=args.instance_id or base.instance_id,

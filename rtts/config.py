@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 import socket
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from .governor import GovernorConfig
 from .scheduler import SchedulerConfig
 from .session import SessionLimits
 
-__all__ = ["EngineConfig", "ServerConfig", "default_model_dir"]
+__all__ = ["EngineConfig", "ServerConfig", "default_model_dir", "packaged_web_dir"]
 
 
 def default_model_dir() -> Path:
@@ -46,6 +47,9 @@ class EngineConfig:
     decode_lookahead: int = 4  # tokens held back until their right context exists
     default_voice_seed: int = 2
     compile: bool = False
+    dtype: str = "fp32"  # GPT linear weights: fp32 | bf16 | int8 (weight-only)
+    kernels: str = "auto"  # auto: measure at load; or force one path (see engines/kernels.py)
+    batch_rows: int = 8  # most rows a batch can have (the scheduler's slots): kernels timed 1..
     fixed_tokens: int | None = None  # benchmarks: every segment exactly this many GPT steps
     fake_rtf: float = 0.0  # fake engine only
     fake_first_chunk_ms: float = 0.0  # fake engine only
@@ -84,9 +88,20 @@ def _instance_id() -> str:
     return os.environ.get("RTTS_INSTANCE_ID") or f"{socket.gethostname()}-{os.getpid()}"
 
 
-def _web_dir() -> Path | None:
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "web", here.parent / "web", Path.cwd() / "web"):
-        if (candidate / "index.html").is_file():
-            return candidate
+def packaged_web_dir() -> Path | None:
+    """The demo page and JS client installed with the package (``rtts/web`` in the wheel,
+    mapped there from the repository's web/ by setup.py); None when not installed so."""
+    web = importlib.resources.files("rtts").joinpath("web")
+    if isinstance(web, Path) and (web / "index.html").is_file():
+        return web
     return None
+
+
+def _web_dir() -> Path | None:
+    """The browser assets ``rtts serve`` serves unless ``--web-dir`` says otherwise: the
+    installed package's copy, else web/ beside the source tree (a checkout, editable install)."""
+    packaged = packaged_web_dir()
+    if packaged is not None:
+        return packaged
+    source = Path(__file__).resolve().parent.parent / "web"
+    return source if (source / "index.html").is_file() else None

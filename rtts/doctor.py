@@ -39,7 +39,8 @@ def cuda_linked_torchaudio_libs() -> list[Path]:
 
 def run_doctor(fix: bool = False) -> int:
     problems = 0
-    for name in ("torch", "ChatTTS", "websockets", "numpy", "orjson", "soundfile", "psutil"):
+    for name in ("torch", "ChatTTS", "websockets", "numpy", "orjson", "soundfile", "psutil",
+                 "soxr"):
         ok = importlib.util.find_spec(name) is not None
         print(f"{'ok ' if ok else 'MISSING'} {name}")
         problems += not ok

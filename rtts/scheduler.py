@@ -1,6 +1,16 @@
 """Per-device batch scheduler: gathers segments from concurrent streams into engine batches.
 
-Requests wait in a bounded intake list. A dispatcher task takes a device slot (an
+**Continuous batching** (the default, for engines that support it: ``engine.continuous``
+and ``engine.serve``): a running batch is a set of ``max_batch_size`` slots. Before every
+engine step the engine asks the scheduler for requests to fill its free slots, so a
+request that arrives while a batch runs joins it at the next step instead of waiting for
+the whole batch; a finished or cancelled row frees its slot at once. Waiting requests are
+admitted a stream's first segment first, then oldest first. Under load the governor can
+shrink the slot count (``degraded_slots``). The per-request timeout counts from a
+request's admission. ``batching="static"`` keeps the fixed-batch behaviour below.
+
+**Static batching** (``batching="static"``, and engines without ``serve``):
+requests wait in a bounded intake list. A dispatcher task takes a device slot (an
 ``asyncio.Semaphore`` of ``concurrency`` permits), waits up to ``max_wait_ms`` for
 more requests (unless the batch is already full), then picks the head request -- a
 stream's first segment before anything else, then oldest first -- plus every waiting
@@ -41,14 +51,21 @@ __all__ = ["RequestStream", "Scheduler", "SchedulerConfig"]
 
 logger = logging.getLogger("rtts.scheduler")
 
+LATER_MAX_HOLD_S = 3.0  # a later segment waits at most this long for rows warming up
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_batch_size: int = 4
+    max_batch_size: int = 8  # rows (slots) of a batch
     max_wait_ms: float = 15.0
     concurrency: int = 1  # batches running at once on this device
     max_queue: int = 256  # requests waiting (not running) before submit() raises Overloaded
-    request_timeout_s: float = 120.0  # per batch, from the moment it starts running
+    request_timeout_s: float = 120.0  # per batch (static) or request (continuous), running
+    batching: str = "continuous"  # continuous | static (fixed batches, nobody joins)
+    degraded_slots: int | None = None  # slots of a continuous batch while degraded
+    # Slots that later segments (lookahead) leave free for streams' first segments, so a
+    # new stream starts at the next step; None = 3/8 of the slots (1 of 4, 3 of 8).
+    first_segment_slots: int | None = None
 
 
 class RequestStream:
@@ -63,6 +80,7 @@ class RequestStream:
         self.submitted_at = time.monotonic()
         self.first_audio_at: float | None = None
         self.solo = False  # retry alone: its batch failed before it produced audio
+        self.admitted_at: float | None = None  # when it started running
         self._pending: deque[npt.NDArray[np.float32]] = deque()
         self._pushed_at: deque[float] = deque()
         self.produced_at = 0.0  # when the oldest chunk of the last __anext__ result arrived
@@ -128,6 +146,7 @@ class Scheduler:
         self.engine = engine
         self.config = config or SchedulerConfig()
         self._queue: list[RequestStream] = []
+        self._qlock = threading.Lock()  # the queue is also read by a continuous batch's thread
         self._arrived = asyncio.Event()
         self._slots = asyncio.Semaphore(self.config.concurrency)
         self._executor = ThreadPoolExecutor(
@@ -138,6 +157,7 @@ class Scheduler:
         self._seq = 0
         self.running_batches = 0
         self.batch_sizes: Counter[int] = Counter()
+        self.joined = 0  # requests that joined a batch already running (continuous)
         self.completed = 0
         self.failed = 0
         self.cancelled = 0
@@ -162,13 +182,34 @@ class Scheduler:
         """Queue a request; raise :class:`Overloaded` when the intake is full."""
         if self._dispatcher is None:
             raise EngineError("scheduler is not running", code=ErrorCode.SHUTTING_DOWN)
-        self._queue = [s for s in self._queue if not s.request.cancelled.is_set()]
-        if len(self._queue) >= self.config.max_queue:
-            raise Overloaded(f"synthesis queue is full ({self.config.max_queue} waiting)")
         stream = RequestStream(request)
-        self._queue.append(stream)
+        with self._qlock:
+            self._queue = [s for s in self._queue if not s.request.cancelled.is_set()]
+            if len(self._queue) >= self.config.max_queue:
+                raise Overloaded(f"synthesis queue is full ({self.config.max_queue} waiting)")
+            self._queue.append(stream)
         self._arrived.set()
         return stream
+
+    @property
+    def continuous(self) -> bool:
+        return self.config.batching == "continuous" and bool(
+            getattr(self.engine, "continuous", False))
+
+    @property
+    def reserve(self) -> int:
+        """Free slots that only a stream's first segment may take (continuous)."""
+        n = self.config.first_segment_slots
+        if n is None:
+            n = self.config.max_batch_size * 3 // 8
+        return max(0, min(n, self.slot_limit - 1))
+
+    @property
+    def slot_limit(self) -> int:
+        """Rows a continuous batch may hold now (the governor shrinks it when degraded)."""
+        if self.degraded and self.config.degraded_slots:
+            return max(1, min(self.config.degraded_slots, self.config.max_batch_size))
+        return self.config.max_batch_size
 
     async def stop(self) -> None:
         """Cancel the dispatcher and every batch, fail what is queued, free the threads."""
@@ -177,10 +218,11 @@ class Scheduler:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._dispatcher
             self._dispatcher = None
-        for stream in self._queue:
+        with self._qlock:
+            queued, self._queue = self._queue, []
+        for stream in queued:
             stream.request.cancel()
             stream._finish(EngineError("server is shutting down", code=ErrorCode.SHUTTING_DOWN))
-        self._queue.clear()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -196,20 +238,52 @@ class Scheduler:
             await self._slots.acquire()
             try:
                 await self._gather_wait()
-                batch = self._take_batch()
+                continuous = self.continuous and not any(s.solo for s in self._live())
+                batch = self._pick(self.slot_limit) if continuous else self._take_batch()
             except BaseException:
                 self._slots.release()
                 raise
             if not batch:
                 self._slots.release()
                 continue
-            task = asyncio.create_task(self._run(batch), name="rtts-batch")
+            run = self._run_continuous(batch) if continuous else self._run(batch)
+            task = asyncio.create_task(run, name="rtts-batch")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
     def _live(self) -> list[RequestStream]:
-        self._queue = [s for s in self._queue if not s.request.cancelled.is_set()]
-        return self._queue
+        with self._qlock:
+            self._queue = [s for s in self._queue if not s.request.cancelled.is_set()]
+            return self._queue
+
+    def _pick(self, n: int, warming: bool = False) -> list[RequestStream]:
+        """Take up to ``n`` waiting requests for a continuous batch (any thread) with
+        ``n`` free slots: a stream's first segment first, then oldest first; solo retries
+        are not taken. Later segments leave :attr:`reserve` slots free, and wait while a
+        row of the batch (``warming``) or a first segment taken now has no audio yet --
+        their prefill would delay that first audio -- unless they have waited
+        ``LATER_MAX_HOLD_S`` already."""
+        if n <= 0:
+            return []
+        now = time.monotonic()
+        with self._qlock:
+            live = [s for s in self._queue if not s.request.cancelled.is_set()]
+            order = sorted((s for s in live if not s.solo),
+                           key=lambda s: (s.request.priority, s.submitted_at))
+            chosen: list[RequestStream] = []
+            for s in order:
+                later = s.request.priority > 0
+                room = n - len(chosen) - (self.reserve if later else 0)
+                if room <= 0:
+                    break
+                if later and (warming or any(c.request.priority == 0 for c in chosen)) \
+                        and now - s.submitted_at < LATER_MAX_HOLD_S:
+                    break
+                chosen.append(s)
+            if chosen:
+                ids = {id(s) for s in chosen}
+                self._queue = [s for s in live if id(s) not in ids]
+            return chosen
 
     async def _gather_wait(self) -> None:
         wait_ms = 0.0 if self.degraded else self.config.max_wait_ms
@@ -237,7 +311,8 @@ class Scheduler:
             if not s.solo and self.engine.batch_key(s.request.params) == key:
                 batch.append(s)
         chosen = {id(s) for s in batch}
-        self._queue = [s for s in live if id(s) not in chosen]
+        with self._qlock:
+            self._queue = [s for s in self._queue if id(s) not in chosen]
         return batch
 
     async def _run(self, batch: list[RequestStream]) -> None:
@@ -277,7 +352,8 @@ class Scheduler:
                     # Which row broke the batch is unknown: rows with no audio yet are
                     # retried alone, so one bad request cannot fail its neighbours.
                     s.solo = True
-                    self._queue.append(s)
+                    with self._qlock:
+                        self._queue.append(s)
                 else:
                     s._finish(error)
                     self.failed += 1
@@ -286,6 +362,95 @@ class Scheduler:
             self.running_batches -= 1
             self._slots.release()
             self._arrived.set()
+
+    async def _run_continuous(self, first: list[RequestStream]) -> None:
+        """One continuous batch: runs on the device thread until no row is left and no
+        request waits; requests join it between steps (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        run = _Run(first)
+        self.running_batches += 1
+        self.batch_sizes[len(first)] += 1
+        started = time.monotonic()
+        future = loop.run_in_executor(self._executor, self._serve_in_thread, loop, run)
+        try:
+            while not future.done():
+                await asyncio.wait({future}, timeout=0.25)
+                self._expire(run)
+            future.result()
+        except asyncio.CancelledError:
+            run.closed = True
+            for s in list(run.streams.values()):
+                s.request.cancel()
+                s._finish(EngineError("server is shutting down", code=ErrorCode.SHUTTING_DOWN))
+            raise
+        except Exception as exc:  # the engine raised: fail only the requests it concerns
+            run.closed = True
+            logger.exception("engine failed on a continuous batch of %d", len(run.streams))
+            error = EngineError(f"synthesis failed: {type(exc).__name__}: {exc}")
+            for s in list(run.streams.values()):
+                if s.finished or s.request.cancelled.is_set():
+                    continue
+                if len(run.streams) > 1 and s.first_audio_at is None:
+                    s.solo = True  # which row broke the batch is unknown: retry alone
+                    with self._qlock:
+                        self._queue.append(s)
+                else:
+                    s._finish(error)
+                    self.failed += 1
+        finally:
+            run.closed = True
+            self.busy_s += time.monotonic() - started
+            self.running_batches -= 1
+            self._slots.release()
+            self._arrived.set()
+
+    def _expire(self, run: _Run) -> None:
+        """Fail (and cancel) requests that have run longer than the request timeout."""
+        limit = self.config.request_timeout_s
+        now = time.monotonic()
+        for s in list(run.streams.values()):
+            if s.finished or s.admitted_at is None or now - s.admitted_at <= limit:
+                continue
+            logger.warning("request timed out after %.1fs in a continuous batch", limit)
+            s.request.cancel()
+            s._finish(EngineTimeout(f"synthesis exceeded {limit:g}s"))
+            self.failed += 1
+
+    def _serve_in_thread(self, loop: asyncio.AbstractEventLoop, run: _Run) -> None:
+        def admit(free: int) -> list[SynthRequest]:
+            if run.closed:
+                return []
+            if run.pending:
+                taken, run.pending = run.pending[:free], run.pending[free:]
+            else:
+                warming = any(s.first_audio_at is None for s in run.streams.values())
+                taken = self._pick(min(free, self.slot_limit - run.live), warming)
+                self.joined += len(taken)
+            now = time.monotonic()
+            for s in taken:
+                s.admitted_at = now
+                run.streams[id(s.request)] = s
+            run.live += len(taken)
+            return [s.request for s in taken]
+
+        serve = self.engine.serve  # type: ignore[attr-defined]
+        gen = serve(admit, self.config.max_batch_size)
+        try:
+            for request, samples in gen:
+                stream = run.streams[id(request)]
+                if samples is None:
+                    run.live -= 1
+                    run.streams.pop(id(request), None)
+                    if request.cancelled.is_set():
+                        self.cancelled += 1
+                    elif not stream.finished:
+                        self._post(loop, stream._finish, None)
+                        self.completed += 1
+                elif samples.size and not stream.finished and not request.cancelled.is_set():
+                    self.audio_samples += samples.size
+                    self._post(loop, stream._push, samples)
+        finally:
+            gen.close()
 
     def _run_in_thread(self, loop: asyncio.AbstractEventLoop, batch: list[RequestStream]) -> None:
         requests: Sequence[SynthRequest] = [s.request for s in batch]
@@ -334,3 +499,13 @@ class Scheduler:
             self._posts_scheduled = False
         for fn, arg in posts:
             fn(arg)
+
+
+class _Run:
+    """The requests of one continuous batch, shared by the loop and the device thread."""
+
+    def __init__(self, first: list[RequestStream]) -> None:
+        self.pending = list(first)  # handed to the engine at its first admit
+        self.streams: dict[int, RequestStream] = {}  # id(request) -> stream, while running
+        self.live = 0
+        self.closed = False

@@ -1,20 +1,27 @@
 """`rtts bench` runs end to end (its numbers are for the README, not asserted here)."""
 
-import argparse
 from pathlib import Path
 
 import pytest
 
 from procs import free_port
-from rtts.bench import bench_chattts, bench_fake, bench_soak
+from rtts.bench import (
+    arrival_times,
+    bench_chattts,
+    bench_fake,
+    bench_kernels,
+    bench_soak,
+    bench_staggered,
+)
 from rtts.cli import build_parser
 
 
 @pytest.mark.chattts
 async def test_chattts_bench_compares_equal_work(tiny_checkpoint: Path):
-    args = argparse.Namespace(model_dir=tiny_checkpoint, streams=2, tokens=24, repeat=1,
-                              stream_tokens=8, threads=2, device="cpu",
-                              text="A short benchmark sentence")
+    args = build_parser().parse_args([
+        "bench", "chattts", "--model-dir", str(tiny_checkpoint), "--streams", "2",
+        "--tokens", "24", "--repeat", "1", "--threads", "2", "--device", "cpu",
+        "--text", "A short benchmark sentence"])
     out = await bench_chattts(args)
     runs = out["runs"]
     assert set(runs) == {"rtts@1", "rtts@2", "stock-serialized@1", "stock-serialized@2"}
@@ -46,3 +53,38 @@ async def test_soak_bench_reports_sessions_rss_and_leaks():
     assert out["cache_hits"] > 0  # recurring phrases
     assert out["open_connections_after"] == 0 and out["queue_depth_after"] == 0
     assert len(out["rss_series"]) >= 3 and out["rss_mb_final"] > 0
+
+
+@pytest.mark.chattts
+async def test_staggered_bench_compares_static_and_continuous(tiny_checkpoint: Path):
+    args = build_parser().parse_args([
+        "bench", "staggered", "--model-dir", str(tiny_checkpoint), "--arrivals", "3",
+        "--gap", "0.2", "--tokens", "24", "--slots", "4", "--threads", "2"])
+    out = await bench_staggered(args)
+    assert out["arrivals"] == pytest.approx([0.0, 0.2, 0.4])
+    for mode in ("static", "continuous"):
+        run = out["runs"][mode][0]
+        assert len(run["ttfa_s"]) == 3 and all(t > 0 for t in run["ttfa_s"])
+        assert out[mode]["late_max_ratio"] >= out[mode]["late_median_ratio"] > 0
+    assert out["kernels"]["dtype"] == "fp32"
+
+
+@pytest.mark.chattts
+async def test_kernels_bench_reports_step_times_and_accuracy(tiny_checkpoint: Path):
+    args = build_parser().parse_args([
+        "bench", "kernels", "--model-dir", str(tiny_checkpoint), "--dtypes", "fp32,bf16",
+        "--rows", "1,2", "--steps", "6", "--tokens", "16", "--threads", "2"])
+    out = await bench_kernels(args)
+    fp32, bf16 = out["dtypes"]["fp32"], out["dtypes"]["bf16"]
+    assert fp32["greedy_agreement"] == 1.0 and fp32["logits_cosine_min"] > 0.9999
+    assert 0.5 < bf16["greedy_agreement"] <= 1.0 and bf16["logits_cosine_mean"] > 0.99
+    assert set(bf16["step_ms"]) == {1, 2} and all(v > 0 for v in bf16["step_ms"].values())
+
+
+def test_arrival_times_fixed_gap_and_poisson():
+    assert arrival_times(4, 1.5, False, 0) == [0.0, 1.5, 3.0, 4.5]
+    poisson = arrival_times(200, 1.0, True, 7)
+    gaps = [b - a for a, b in zip(poisson, poisson[1:], strict=False)]
+    assert poisson[0] == 0.0 and all(g > 0 for g in gaps)
+    assert 0.7 < sum(gaps) / len(gaps) < 1.3  # mean gap ~ 1 s
+    assert arrival_times(200, 1.0, True, 7) == poisson  # seeded

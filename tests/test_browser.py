@@ -170,3 +170,38 @@ def test_two_contexts_play_in_order_gaplessly(page: object) -> None:
         expected = result["received"][str(track)] * result["rate"] / result["sent"]
         assert abs(played - expected) <= 2, (played, expected)  # nothing lost or doubled
     assert result["ha"]["segments"] and result["ha"]["playedMs"] > 0
+
+
+def test_no_resampling_in_javascript_unless_the_server_cannot_send_the_rate(page: object) -> None:
+    result = page.evaluate("""async () => {
+        const { connect } = await import("/rtts-client.js");
+        const url = new URL("/v1/stream", location.href).href.replace(/^http/, "ws");
+        async function run(options) {
+          const c = await connect(url, options);
+          let stats = null;
+          c.player.addEventListener("stats", (e) => { stats = e.detail; });
+          let received = 0;
+          const u = c.speak("Rates and resamplers.");
+          u.addEventListener("audio", (e) => { received += e.detail.pcm.length; });
+          await u.done;
+          await u.ended;
+          await new Promise((r) => setTimeout(r, 120));  // one more stats message
+          const out = {context: c.player.sampleRate, sent: u.sampleRate,
+                       native: c.server.sample_rate, received,
+                       played: u.heard().playedMs * c.player.sampleRate / 1000,
+                       resampled: stats.resampled};
+          await c.close();
+          return out;
+        }
+        // the player's own context runs at the stream's rate: nobody resamples
+        const plain = await run({});
+        // a context at a rate the server cannot send: the worklet's linear fallback
+        const odd = await run({audioContext: new AudioContext({sampleRate: 32000})});
+        return {plain, odd};
+    }""")
+    plain, odd = result["plain"], result["odd"]
+    assert plain["context"] == plain["sent"] == plain["native"] == 24000, plain
+    assert plain["resampled"] == 0 and plain["received"] > 0, plain
+    assert odd["context"] == 32000 and odd["sent"] == 24000, odd
+    assert odd["resampled"] == odd["received"] > 0, odd
+    assert abs(odd["played"] - odd["received"] * 32000 / 24000) <= 2, odd

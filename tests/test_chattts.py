@@ -96,15 +96,19 @@ def test_batch_rows_have_their_own_voice_speed_and_length(engine):
 
 
 def test_cancelled_row_gets_no_more_audio(engine):
-    reqs = [SynthRequest("one", SynthParams(), max_new_token=64),
-            SynthRequest("two", SynthParams(), max_new_token=64)]
+    reqs = [SynthRequest("one", SynthParams(seed=1), max_new_token=64),
+            SynthRequest("two", SynthParams(seed=2), max_new_token=64)]
     seen = {0: 0, 1: 0}
+    ended = set()
     for row, chunk in engine.generate(reqs):
-        if chunk is not None:
+        if chunk is None:
+            ended.add(row)
+        else:
+            assert row not in ended
             seen[row] += 1
             if row == 0 and seen[0] == 1:
                 reqs[0].cancel()
-    assert seen[0] == 1 and seen[1] > 1
+    assert seen[0] == 1 and seen[1] >= 1 and ended == {0, 1}
 
 
 def test_custom_voice_string_and_validation(engine):
@@ -181,61 +185,179 @@ def _processors():
     return (*processors, *warpers)
 
 
-def _batch_sizes(engine):
-    """Record the batch size of every GPT forward (a real forward hook, no mock)."""
-    sizes: list[int] = []
-    handle = engine.chat.gpt.gpt.register_forward_pre_hook(
-        lambda _m, _a, kw: sizes.append(int(kw["inputs_embeds"].shape[0])), with_kwargs=True)
-    return sizes, handle
+TEXTS = ["Hello there, how are you?", "Hi.", "一个比较长的中文句子，用来测试填充。"]
 
 
-def test_own_gpt_loop_matches_chattts_generate(engine):
-    """Same seed, same recipe: rtts's static-cache loop reproduces ChatTTS's own
-    GPT.generate hidden states, with left padding in the batch."""
+def _reference(engine, text, n, seed=7, temperature=0.3):
+    """ChatTTS's own GPT.generate, the row alone."""
     import torch
     from ChatTTS.model import GPT
 
-    from rtts.engines.gpt_loop import GptLoop
+    ids, mask, emb = _prompt(engine, [text])
+    with torch.no_grad():
+        return list(engine.chat.gpt.generate(
+            emb, ids, temperature=torch.tensor([temperature] * 4), eos_token=625,
+            attention_mask=mask, max_new_token=n, min_new_token=n,
+            logits_processors=_processors(), infer_text=False, return_hidden=True,
+            stream=False, show_tqdm=False, manual_seed=seed, context=GPT.Context()))[-1]
 
-    texts = ["Hello there, how are you?", "Hi.", "一个比较长的中文句子，用来测试填充。"]
+
+def _spec(engine, text, n, seed=7, **kw):
+    from rtts.engines.gpt_loop import RowSpec
+
+    _ids, _mask, emb = _prompt(engine, [text])
+    return RowSpec(emb=emb[0].detach(), limit=n, min_tokens=n, seed=seed, **kw)
+
+
+def _gpt(engine, slots=4, columns=256):
+    from rtts.engines.gpt_loop import BatchedGpt
+
+    return BatchedGpt(engine.chat.gpt, 4, 625, slots=slots, columns=columns)
+
+
+def _finish(gpt, rows):
+    import torch
+
+    with torch.no_grad():
+        while not all(r.finished or r.evicted for r in rows):
+            gpt.step()
+
+
+def test_own_gpt_loop_matches_chattts_generate_for_a_row_alone(engine):
+    """Same seed, same recipe: rtts's loop reproduces GPT.generate's hidden states."""
+    import torch
+
     n = 24
-    ids, mask, emb = _prompt(engine, texts)
-    ref = list(engine.chat.gpt.generate(
-        emb, ids, temperature=torch.tensor([0.3] * 4), eos_token=625, attention_mask=mask,
-        max_new_token=n, min_new_token=n, logits_processors=_processors(), infer_text=False,
-        return_hidden=True, stream=False, show_tqdm=False, manual_seed=7,
-        context=GPT.Context()))[-1]
-    ids, mask, emb = _prompt(engine, texts)
-    steps = list(GptLoop(engine.chat.gpt, 4, 625).run(
-        emb, mask, [n] * 3, [n] * 3, 0.3, _processors(), 7, lambda r: False, 8))
-    last = steps[-1]
-    assert [s.step for s in steps] == [8, 16, 24] and last.done
-    for r in range(3):
-        assert last.rows[r].length == n
-        assert torch.allclose(ref.hiddens[r], last.hiddens[r, :n], atol=1e-5)
+    for text in TEXTS:
+        ref = _reference(engine, text, n)
+        gpt = _gpt(engine)
+        with torch.no_grad():
+            [row] = gpt.add([_spec(engine, text, n)])
+        _finish(gpt, [row])
+        assert row.length == n
+        assert torch.allclose(ref.hiddens[0], row.hiddens[:n], atol=1e-5)
 
 
-def test_own_gpt_loop_evicts_finished_and_cancelled_rows(engine):
-    from rtts.engines.gpt_loop import GptLoop
+def test_rows_started_together_or_joining_mid_batch_match_running_alone(engine):
+    """Continuous batching: a row that joins a running batch (with a longer prompt than the
+    history, so the columns shift; with a tiny buffer, so they compact and grow) produces
+    the hidden states it produces alone, for a fixed seed."""
+    import torch
 
-    texts = ["one", "two", "three", "four"]
-    ids, mask, emb = _prompt(engine, texts)
-    cancelled: set[int] = set()
-    sizes, handle = _batch_sizes(engine)
-    try:
-        lengths_seen = []
-        for step in GptLoop(engine.chat.gpt, 4, 625).run(
-                emb, mask, [8, 16, 24, 24], [8, 16, 24, 24], 0.3, _processors(), None,
-                lambda r: r in cancelled, 4):
-            lengths_seen.append([r.length for r in step.rows])
-            if step.step == 12:
-                cancelled.add(3)  # the client cancels row 3 mid-batch
-    finally:
-        handle.remove()
-    rows = step.rows
-    assert [r.length for r in rows[:3]] == [8, 16, 24]
-    assert 12 <= rows[3].length < 24 and rows[3].evicted  # stopped right after the cancel
-    # forwards: prefill + 7 steps at 4 rows, then 3 rows until step 12-16, 2, then 1
-    assert sizes[:8] == [4] * 8
-    assert sizes[-1] == 1 and sorted(sizes, reverse=True) == sizes
-    assert sum(sizes) < 4 * 24  # the evicted rows cost nothing after they left
+    n = 24
+    refs = [_reference(engine, t, n).hiddens[0] for t in TEXTS]
+    gpt = _gpt(engine, columns=16)
+    with torch.no_grad():
+        together = gpt.add([_spec(engine, t, n) for t in TEXTS])  # left-padded prefill
+    _finish(gpt, together)
+    gpt = _gpt(engine, columns=8)
+    with torch.no_grad():
+        joined = gpt.add([_spec(engine, TEXTS[1], n)])
+        for _ in range(5):
+            gpt.step()
+        joined += gpt.add([_spec(engine, TEXTS[2], n)])
+        for _ in range(7):
+            gpt.step()
+        joined += gpt.add([_spec(engine, TEXTS[0], n)])
+    _finish(gpt, joined)
+    for k, row in enumerate(together):
+        assert torch.allclose(refs[k], row.hiddens[:n], atol=1e-4)
+    for k, row in zip([1, 2, 0], joined, strict=True):
+        assert row.length == n
+        assert torch.allclose(refs[k], row.hiddens[:n], atol=1e-4)
+    # rows computed per forward: 1 alone, then 2, then 3, then falling as rows end
+    assert gpt.forward_rows[:6] == [1] * 6 and gpt.forward_rows[7] == 2
+    assert max(gpt.forward_rows) == 3 and gpt.forward_rows[-1] == 1
+
+
+def test_per_row_sampling_params_in_one_batch(engine):
+    """Rows with different temperature / top-P / top-K / seed share one forward, and each
+    draws the codes it draws alone with those settings."""
+    import torch
+
+    n = 16
+    settings = [dict(seed=3, temperature=0.1, top_p=0.5, top_k=5),
+                dict(seed=4, temperature=1.2, top_p=0.95, top_k=60),
+                dict(seed=5, temperature=0.3, top_p=0.7, top_k=20)]
+    alone = []
+    for kw in settings:
+        gpt = _gpt(engine)
+        with torch.no_grad():
+            [row] = gpt.add([_spec(engine, TEXTS[0], n, **kw)])
+        _finish(gpt, [row])
+        alone.append(row.codes[:n].clone())
+    gpt = _gpt(engine)
+    with torch.no_grad():
+        rows = gpt.add([_spec(engine, TEXTS[0], n, **kw) for kw in settings])
+    _finish(gpt, rows)
+    assert set(gpt.forward_rows) == {3}  # one batch throughout
+    for row, ref in zip(rows, alone, strict=True):
+        assert torch.equal(row.codes[:n], ref)
+    assert not torch.equal(rows[0].codes[:n], rows[1].codes[:n])
+    # The seeded recipe is ChatTTS's: temperature 0.3 alone equals GPT.generate.
+    ref = _reference(engine, TEXTS[0], n, seed=5)
+    assert torch.allclose(ref.hiddens[0], rows[2].hiddens[:n], atol=1e-4)
+
+
+def test_finished_and_cancelled_rows_leave_and_free_their_slot(engine):
+    import torch
+
+    gpt = _gpt(engine, slots=2)
+    with torch.no_grad():
+        a, b = gpt.add([_spec(engine, "one", 8), _spec(engine, "two", 40)])
+        assert gpt.free_slots == 0
+        for _ in range(4):
+            gpt.step()
+        gpt.cancel(lambda r: r is b)  # the client cancels b mid-batch
+        gpt.step()  # b is evicted before this step computes
+        assert b.evicted and 4 <= b.length <= 5 and gpt.free_slots == 1
+        [c] = gpt.add([_spec(engine, "three", 8)])  # a waiting request takes the slot
+        _finish(gpt, [a, c])
+    assert a.length == 8 and c.length == 8
+    assert gpt.forward_rows[:5] == [2] * 5  # prefill + 4 steps with both rows
+    assert gpt.forward_rows[5] == 1  # the step right after the cancel: a alone
+    assert 2 in gpt.forward_rows[7:]  # c joined a's batch
+    assert gpt.forward_rows[-1] == 1
+
+
+def test_engine_serve_admits_a_request_into_the_running_batch(engine):
+    """ChatTTSEngine.serve: the second request arrives while the first is generating,
+    joins its batch, and its audio is what it produces alone (same seed)."""
+    a = SynthRequest("The first request is longer.", SynthParams(seed=4), max_new_token=48)
+    b = SynthRequest("A late one.", SynthParams(seed=9, temperature=0.6), max_new_token=32)
+    alone = run(engine, [SynthRequest(b.text, b.params, max_new_token=32)])[0]
+    queue: list[SynthRequest] = [a]
+    frees: list[int] = []
+
+    def admit(free):
+        frees.append(free)
+        taken = queue[:free]
+        del queue[:free]
+        return taken
+
+    audio: dict[int, list[np.ndarray]] = {id(a): [], id(b): []}
+    ended = []
+    for request, chunk in engine.serve(admit, 4):
+        if chunk is None:
+            ended.append(request)
+            continue
+        audio[id(request)].append(chunk)
+        if request is a and len(audio[id(a)]) == 1:
+            queue.append(b)  # arrives while a's batch runs
+    assert ended.index(b) >= 0 and set(map(id, ended)) == {id(a), id(b)}
+    joined = np.concatenate(audio[id(b)])
+    assert len(joined) == len(alone)
+    assert np.allclose(joined, alone, atol=1e-3 * max(1e-6, float(np.abs(alone).max())) + 1e-5)
+    assert frees[0] == 4 and 3 in frees  # a took a slot, b took one of the 3 left
+
+
+def test_engine_measured_and_installed_its_linear_kernels(engine):
+    from rtts.engines import kernels
+
+    table = engine.kernel_table
+    assert table is not None and table.dtype == "fp32"
+    assert sorted(table.chosen) == [*range(1, engine.config.batch_rows + 1),
+                                    kernels.PREFILL_ROWS]
+    assert set(table.chosen.values()) <= {"linear", "transposed"}
+    layer = engine.chat.gpt.gpt.layers[0].self_attn.q_proj
+    assert hasattr(layer, "rtts_weights")  # the selected forward is installed

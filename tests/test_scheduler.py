@@ -134,3 +134,141 @@ async def test_stop_fails_queued_requests():
     await sched.stop()
     with pytest.raises(EngineError):
         await collect(queued)
+
+
+# -- continuous batching (FakeEngine(continuous=True) serves like the ChatTTS engine) ----
+
+
+async def first_chunk_after(stream, since):
+    await stream.__anext__()
+    return asyncio.get_running_loop().time() - since
+
+
+async def test_continuous_a_request_arriving_mid_batch_joins_at_the_next_step():
+    engine = FakeEngine(ms_per_char=50, rtf=1.0, continuous=True)  # 100 ms ticks, real time
+    sched = await started(engine, max_batch_size=4, max_wait_ms=10)
+    a = sched.submit(SynthRequest("a" * 40, SynthParams()))  # 2 s of audio
+    await a.__anext__()
+    await asyncio.sleep(0.25)  # a's batch is running
+    loop = asyncio.get_running_loop()
+    b = sched.submit(SynthRequest("b" * 10, SynthParams()))
+    wait_b = await first_chunk_after(b, loop.time())
+    assert wait_b < 0.5  # one tick, not the 1.75 s left of a's batch
+    assert not a.finished
+    audio_b = await collect(b)
+    assert len(audio_b) + 2400 == engine.total_samples("b" * 10)  # first chunk taken above
+    await collect(a)
+    assert engine.batches == [1, 2] and sched.joined == 1 and sched.completed == 2
+    for _ in range(100):  # the batch ends once its thread has returned
+        if sched.running_batches == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert sched.running_batches == 0
+    await sched.stop()
+
+
+async def test_continuous_cancel_frees_the_slot_for_a_waiting_request():
+    engine = FakeEngine(ms_per_char=50, rtf=1.0, continuous=True)
+    sched = await started(engine, max_batch_size=1, max_wait_ms=10)  # one slot
+    a = sched.submit(SynthRequest("a" * 60, SynthParams()))  # 3 s
+    await a.__anext__()
+    b = sched.submit(SynthRequest("b" * 10, SynthParams()))
+    await asyncio.sleep(0.3)
+    assert b.first_audio_at is None and sched.queue_depth == 1  # no free slot
+    loop = asyncio.get_running_loop()
+    a.cancel()
+    assert await first_chunk_after(b, loop.time()) < 0.35  # took a's slot at the next step
+    await collect(b)
+    assert engine.batches == [1, 1] and sched.cancelled == 1
+    await sched.stop()
+
+
+async def test_continuous_mixed_params_share_one_batch():
+    engine = FakeEngine(ms_per_char=20, continuous=True)
+    sched = await started(engine, max_batch_size=4, max_wait_ms=30)
+    params = [SynthParams(temperature=0.3, seed=1), SynthParams(temperature=0.9, top_K=5),
+              SynthParams(top_P=0.2, seed=9)]
+    streams = [sched.submit(SynthRequest(f"text {i}", p)) for i, p in enumerate(params)]
+    await asyncio.gather(*(collect(s) for s in streams))
+    assert engine.batches == [3]
+    await sched.stop()
+
+
+async def test_continuous_engine_failure_retries_rows_without_audio_alone():
+    engine = FakeEngine(ms_per_char=50, rtf=1.0, continuous=True)
+    sched = await started(engine, max_batch_size=4, max_wait_ms=10)
+    good = sched.submit(SynthRequest("a" * 20, SynthParams()))
+    await good.__anext__()
+    bad = sched.submit(SynthRequest("<fail> here", SynthParams()))
+    with pytest.raises(EngineError):
+        await collect(bad)
+    with pytest.raises(EngineError):  # it had audio when its batch broke
+        await collect(good)
+    after = sched.submit(SynthRequest("fine", SynthParams()))
+    assert len(await collect(after)) == engine.total_samples("fine")
+    await sched.stop()
+
+
+async def test_continuous_timeout_counts_per_request_and_spares_the_others():
+    engine = FakeEngine(ms_per_char=50, rtf=1.0, continuous=True)
+    sched = await started(engine, max_batch_size=4, max_wait_ms=10, request_timeout_s=0.5)
+    hang = sched.submit(SynthRequest("<hang>", SynthParams()))
+    ok = sched.submit(SynthRequest("b" * 6, SynthParams()))  # 0.3 s of audio
+    with pytest.raises(EngineTimeout):
+        await collect(hang)
+    assert len(await collect(ok)) == engine.total_samples("b" * 6)
+    await sched.stop()
+
+
+async def test_continuous_degraded_shrinks_the_slot_count():
+    engine = FakeEngine(ms_per_char=50, rtf=1.0, continuous=True)
+    sched = await started(engine, max_batch_size=4, max_wait_ms=10, degraded_slots=1)
+    sched.degraded = True
+    a = sched.submit(SynthRequest("a" * 10, SynthParams()))
+    await a.__anext__()
+    b = sched.submit(SynthRequest("b" * 10, SynthParams()))
+    await asyncio.sleep(0.25)
+    assert b.first_audio_at is None  # one slot while degraded
+    await asyncio.gather(collect(a), collect(b))
+    assert engine.batches == [1, 1]
+    await sched.stop()
+
+
+async def test_continuous_stop_fails_running_and_queued():
+    engine = FakeEngine(ms_per_char=50, rtf=1.0, continuous=True)
+    sched = await started(engine, max_batch_size=1, max_wait_ms=10)
+    a = sched.submit(SynthRequest("a" * 100, SynthParams()))
+    await a.__anext__()
+    b = sched.submit(SynthRequest("b" * 10, SynthParams()))
+    await sched.stop()
+    for s in (a, b):
+        with pytest.raises(EngineError):
+            await collect(s)
+
+
+async def test_continuous_later_segments_leave_a_slot_for_first_segments():
+    engine = FakeEngine(ms_per_char=50, rtf=1.0, continuous=True)
+    sched = await started(engine, max_batch_size=4, max_wait_ms=10)  # reserve: 1 slot
+    assert sched.reserve == 1
+    later = [sched.submit(SynthRequest("l" * 20, SynthParams(), priority=1)) for _ in range(4)]
+    await asyncio.sleep(0.3)
+    assert [s.first_audio_at is not None for s in later] == [True, True, True, False]
+    loop = asyncio.get_running_loop()
+    first = sched.submit(SynthRequest("f" * 10, SynthParams(), priority=0))
+    assert await first_chunk_after(first, loop.time()) < 0.35  # the reserved slot
+    await asyncio.gather(*(collect(s) for s in [first, *later]))
+    await sched.stop()
+
+
+async def test_continuous_later_segment_waits_until_the_first_segment_has_audio():
+    """A lookahead segment's prefill would delay a first segment's first audio: it joins
+    once that first audio exists."""
+    engine = FakeEngine(ms_per_char=50, rtf=1.0, first_chunk_latency_ms=300, continuous=True)
+    sched = await started(engine, max_batch_size=8, max_wait_ms=10)
+    first = sched.submit(SynthRequest("f" * 10, SynthParams(), priority=0))
+    later = sched.submit(SynthRequest("l" * 10, SynthParams(), priority=1))
+    await asyncio.gather(collect(first), collect(later))
+    assert engine.batches == [1, 2]  # the later one joined, after the first's audio
+    assert later.admitted_at is not None and first.first_audio_at is not None
+    assert later.admitted_at >= first.first_audio_at
+    await sched.stop()

@@ -4,6 +4,10 @@ import { pcm16ToFloat32 } from "./protocol.js";
 /**
  * @typedef {object} PlayerOptions
  * @property {AudioContext} [audioContext] reuse an existing context
+ * @property {number} [sampleRate=24000] rate of the AudioContext the player creates: the
+ *   stream's rate (the server's native rate, so nobody resamples in JavaScript; the browser
+ *   converts to the device rate itself). Falls back to the device's rate where the browser
+ *   refuses it.
  * @property {number} [targetMs=60]  prebuffer before a track starts (grows after underruns)
  * @property {number} [maxMs=400]    largest prebuffer
  * @property {number} [fadeMs=5]     fade-out on interrupt
@@ -20,7 +24,25 @@ import { pcm16ToFloat32 } from "./protocol.js";
  * @property {number} level        peak of the last quantum
  * @property {Object<string, {played: number, segments: Object<string, number>}>} positions
  * @property {Object<string, number>} afterInterrupt audible samples played after interrupt
+ * @property {number} resampled    input samples that went through the worklet's linear
+ *   fallback resampler (0 when the server sends at the context's rate)
  */
+
+/** The server's native rate (ChatTTS): what the player's own AudioContext runs at. */
+export const DEFAULT_CONTEXT_RATE = 24000;
+
+/**
+ * An AudioContext at `sampleRate` where the browser allows it, else at the device's rate.
+ * @param {number} sampleRate
+ * @returns {AudioContext}
+ */
+export function createAudioContext(sampleRate) {
+  try {
+    return new AudioContext({ latencyHint: "interactive", sampleRate });
+  } catch {
+    return new AudioContext({ latencyHint: "interactive" });
+  }
+}
 
 export class PcmPlayer extends EventTarget {
   /** @param {PlayerOptions} [options] */
@@ -42,7 +64,7 @@ export class PcmPlayer extends EventTarget {
   /** Create the context (if needed), load the worklet, start output. */
   async connect() {
     if (this.node) return;
-    this.context ??= new AudioContext({ latencyHint: "interactive" });
+    this.context ??= createAudioContext(this.options.sampleRate ?? DEFAULT_CONTEXT_RATE);
     await this.context.audioWorklet.addModule(new URL("./pcm-player.worklet.js", import.meta.url));
     this.node = new AudioWorkletNode(this.context, "rtts-pcm-player", {
       numberOfInputs: 0, numberOfOutputs: 1, outputChannelCount: [1],

@@ -1,6 +1,8 @@
 // AudioWorkletProcessor: a thin wrapper around JitterBuffer (see jitter-buffer.js).
 // Messages in (port): {type:'write', stream, segment, samples: Float32Array, rate}
 //   {type:'announce', stream} {type:'end', stream} {type:'interrupt', stream, id}
+// Samples arrive at the context's rate (the client asks the server for it). Only when the
+// server cannot send that rate does a LinearResampler convert here (counted in `resampled`).
 // Messages out: {type:'stats', ...} every ~50 ms, {type:'finished', stream, played,
 //   segments, reason} when a stream leaves the queue, {type:'interrupted', id, heard}.
 import { JitterBuffer } from "./jitter-buffer.js";
@@ -17,6 +19,7 @@ class PcmPlayerProcessor extends AudioWorkletProcessor {
     this.calls = 0;
     this.nonSilent = 0; // render quanta with audible output (for tests and meters)
     this.samplesOut = 0;
+    this.resampled = 0; // input samples through the linear fallback resampler
     this.afterInterrupt = new Map(); // stream -> audible samples output after interrupt
     this.port.onmessage = (e) => this.onMessage(e.data);
   }
@@ -32,6 +35,7 @@ class PcmPlayerProcessor extends AudioWorkletProcessor {
           const key = `${msg.stream}/${msg.rate}`;
           let r = this.resamplers.get(key);
           if (!r) this.resamplers.set(key, (r = new LinearResampler(msg.rate, sampleRate)));
+          this.resampled += samples.length;
           samples = r.process(samples);
         }
         this.jb.push(msg.stream, msg.segment, samples);
@@ -76,7 +80,8 @@ class PcmPlayerProcessor extends AudioWorkletProcessor {
         samplesOut: this.samplesOut, underruns: this.jb.underruns,
         bufferedMs: this.jb.bufferedMs, targetMs: this.jb.targetMs, level: peak,
         positions: this.jb.positions(), playing: this.jb.order[0] ?? null,
-        afterInterrupt: Object.fromEntries(this.afterInterrupt), sampleRate,
+        afterInterrupt: Object.fromEntries(this.afterInterrupt), resampled: this.resampled,
+        sampleRate,
       });
     }
     return true;

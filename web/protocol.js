@@ -75,10 +75,11 @@ export const SERVER_SAMPLE_RATES = [8000, 16000, 22050, 24000, 44100, 48000];
 
 /**
  * Pick the rate to ask the server for: the AudioContext's own rate when the server
- * supports it, else the engine's native 24 kHz (the worklet then resamples).
+ * supports it, else the server's native rate (the worklet then resamples, linearly).
  * @param {number} contextRate
+ * @param {number} [nativeRate=24000] the server's rate (`sample_rate` of its `ready` event)
  * @returns {number}
  */
-export function pickServerRate(contextRate) {
-  return SERVER_SAMPLE_RATES.includes(contextRate) ? contextRate : 24000;
+export function pickServerRate(contextRate, nativeRate = 24000) {
+  return SERVER_SAMPLE_RATES.includes(contextRate) ? contextRate : nativeRate;
 }

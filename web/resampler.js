@@ -1,5 +1,8 @@
 // Streaming linear-interpolation resampler (pure; runs inside the AudioWorklet).
-// Used only when the server cannot send at the AudioContext's rate.
+// A fallback only: the player's own AudioContext runs at the stream's rate, and the client
+// asks the server (which resamples with soxr) for the context's rate. This runs only when the
+// context's rate is one the server cannot send (an AudioContext passed in at, say, 32 or
+// 96 kHz, or a browser that refused the requested rate). Linear interpolation aliases.
 
 export class LinearResampler {
   /**

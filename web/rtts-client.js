@@ -32,7 +32,9 @@ export { parseFrame, buildFrame, pcm16ToFloat32 } from "./protocol.js";
  * @property {boolean} [play=true]          play audio through a PcmPlayer
  * @property {PcmPlayer} [player]           bring your own player
  * @property {AudioContext} [audioContext]  used when the client creates the player
- * @property {number} [sampleRate]          rate to request (default: the player's rate)
+ * @property {number} [sampleRate]          rate to request, and the rate of the AudioContext
+ *   the client's player creates (default: 24000, the server's native rate, so neither side
+ *   resamples; with `audioContext`, the default is that context's rate)
  * @property {{retries?: number, baseDelayMs?: number, maxDelayMs?: number}} [reconnect]
  * @property {typeof WebSocket} [WebSocket] WebSocket implementation (Node, tests)
  * @property {SpeakOptions} [defaults]      params applied to every speak()
@@ -120,7 +122,7 @@ export class RttsClient extends EventTarget {
     this.WebSocketImpl = options.WebSocket ?? globalThis.WebSocket;
     /** @type {PcmPlayer | null} */
     this.player = options.player ?? (options.play === false ? null
-      : new PcmPlayer({ audioContext: options.audioContext }));
+      : new PcmPlayer({ audioContext: options.audioContext, sampleRate: options.sampleRate }));
     /** @type {WebSocket | null} */
     this.ws = null;
     /** @type {Map<string, Utterance>} */
@@ -224,7 +226,8 @@ export class RttsClient extends EventTarget {
     const contextId = o.contextId ?? `u${Date.now().toString(36)}${++contextCounter}`;
     const u = new Utterance(this, contextId);
     u.sampleRate = this.options.sampleRate
-      ?? (this.player ? pickServerRate(this.player.sampleRate) : 24000);
+      ?? (this.player ? pickServerRate(this.player.sampleRate, this.server?.sample_rate)
+        : (this.server?.sample_rate ?? 24000));
     this.utterances.set(contextId, u);
     this.byTrack.set(u.track, u);
     this.player?.announce(u.track);

@@ -30,16 +30,19 @@ import sys
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..config import EngineConfig, default_model_dir
 from ..protocol import SynthParams
+from . import kernels
 from .base import EngineOutput, SynthRequest
-from .gpt_loop import GptLoop
+from .gpt_loop import BatchedGpt, GptRow, RowSpec
 
 __all__ = ["ChatTTSEngine", "StockChatTTSEngine", "check_torchaudio", "configure_threads_env"]
 
@@ -74,8 +77,9 @@ def check_torchaudio() -> None:
 class ChatTTSEngine:
     name = "chattts"
     sample_rate = 24000
+    continuous = True  # serve(): requests join the running batch
     bake_weight_norm = True
-    small_batch_gemm = True
+    select_kernels = True  # measure and install the GPT's linear kernels (kernels.py)
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -87,6 +91,7 @@ class ChatTTSEngine:
         self._voices: OrderedDict[str, Any] = OrderedDict()
         self._voice_lock = threading.Lock()
         self._default_voice: Any = None
+        self.kernel_table: kernels.KernelTable | None = None
 
     # -- loading ---------------------------------------------------------------------
 
@@ -139,8 +144,11 @@ class ChatTTSEngine:
                                "assets missing or sha256 check failed (see log above)")
         if self.bake_weight_norm:
             _bake_weight_norm(chat)
-        if self.small_batch_gemm and self.device == "cpu":
-            _small_batch_linears(chat.gpt.gpt)
+        if self.select_kernels:
+            self.kernel_table = kernels.install(
+                chat.gpt.gpt, cfg.dtype, max_rows=cfg.batch_rows,
+                device="cpu" if self.device == "cpu" else "cuda",
+                force=None if cfg.kernels == "auto" else cfg.kernels)
         self.chat = chat
         self.model_path = str(path) if path else source
         self.identity = f"{self.name}:{_identity(cfg, path, source)}"
@@ -195,8 +203,7 @@ class ChatTTSEngine:
         self._voice_tensor(params.voice)
 
     def batch_key(self, params: SynthParams) -> Hashable:
-        # Speaker and speed are per row; sampling settings are per batch in ChatTTS's GPT.
-        return (params.temperature, params.top_P, params.top_K, params.seed, params.refine)
+        return None  # voice, speed and every sampling setting are per row
 
     def random_speaker(self) -> str:
         return str(self.chat.sample_random_speaker())
@@ -213,27 +220,26 @@ class ChatTTSEngine:
             cap = cap * 3 // 4
         return min(cap, 48 + 10 * len(request.text))
 
-    def _texts(self, batch: Sequence[SynthRequest], params: SynthParams) -> list[str]:
+    def _texts(self, batch: Sequence[SynthRequest]) -> list[str]:
         chat = self.chat
         texts = [chat.normalizer(r.text, True, True, None) or r.text for r in batch]
-        if not params.refine or any(r.degraded for r in batch):
-            return texts  # refine is an extra GPT pass: skipped under load
-        refined = chat._refine_text(texts, chat.device, _refine_params(chat, params))
-        ids = [i[i.less(chat.tokenizer.break_0_ids)] for i in refined.ids]
-        out = chat.tokenizer.decode(ids)
-        refined.destroy()
-        return [t or texts[k] for k, t in enumerate(out)]
+        for k, r in enumerate(batch):
+            # Refine is an extra GPT pass over the text (the running rows wait for it):
+            # per request, and skipped under load.
+            if r.params.refine and not r.degraded:
+                refined = chat._refine_text([texts[k]], chat.device,
+                                            _refine_params(chat, r.params))
+                ids = [i[i.less(chat.tokenizer.break_0_ids)] for i in refined.ids]
+                out = chat.tokenizer.decode(ids)
+                refined.destroy()
+                texts[k] = out[0] or texts[k]
+        return texts
 
-    def generate(self, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:
-        from ChatTTS.model import gen_logits
-
+    def _specs(self, batch: Sequence[SynthRequest]) -> list[RowSpec]:
+        """Prompt embeddings (speaker and speed applied) and sampling settings per row."""
         chat = self.chat
-        if chat is None:
-            raise RuntimeError("engine not loaded")
-        params = batch[0].params
-        texts = self._texts(batch, params)
+        texts = self._texts(batch)
         num_vq = chat.config.gpt.num_vq
-        speakers = [self._voice_tensor(r.params.voice) for r in batch]
         prompts: list[str] = []
         for text, r in zip(texts, batch, strict=True):
             prompts += chat.speaker.decorate_code_prompts(
@@ -241,80 +247,117 @@ class ChatTTSEngine:
         input_ids, attention_mask, text_mask = chat.tokenizer.encode(
             prompts, num_vq, device=chat.device_gpt)
         emb = chat.embed(input_ids, text_mask)
-        for row, spk in enumerate(speakers):
-            chat.speaker.apply(emb[row:row + 1], spk, input_ids[row:row + 1],
-                               chat.tokenizer.spk_emb_ids, chat.gpt.device_gpt)
-        num_code = chat.config.gpt.num_audio_tokens - 1
-        warpers, processors = gen_logits(num_code=num_code, top_P=params.top_P,
-                                         top_K=params.top_K, repetition_penalty=1.05)
-        limits = [self._max_tokens(r) for r in batch]
         fixed = bool(self.config.fixed_tokens)
-        loop = GptLoop(chat.gpt, num_vq, eos_token=num_code)
-        steps = loop.run(
-            emb, attention_mask, limits, limits if fixed else [0] * len(batch),
-            params.temperature, (*processors, *warpers), params.seed,
-            cancelled=lambda row: batch[row].cancelled.is_set(),
-            yield_every=self.config.stream_tokens)
-        del emb, text_mask
-        n = len(batch)
-        emitted = [0] * n  # tokens already turned into audio, per row
-        done = [False] * n
-        try:
-            for result in steps:
-                hiddens = [result.hiddens[row] for row in range(n)]
-                lens = [r.length for r in result.rows]
-                finished = [r.finished or result.done for r in result.rows]
-                yield from self._decode_rows(batch, hiddens, emitted, done, finished, lens,
-                                             limits)
-                if all(done):
-                    return
-            for row in range(n):
-                if not done[row]:
-                    done[row] = True
-                    yield row, None
-        finally:
-            steps.close()
+        specs = []
+        for row, r in enumerate(batch):
+            chat.speaker.apply(emb[row:row + 1], self._voice_tensor(r.params.voice),
+                               input_ids[row:row + 1], chat.tokenizer.spk_emb_ids,
+                               chat.gpt.device_gpt)
+            limit = self._max_tokens(r)
+            p = r.params
+            specs.append(RowSpec(
+                emb=emb[row][attention_mask[row].bool()].detach(), limit=limit,
+                min_tokens=limit if fixed else 0, temperature=p.temperature, top_p=p.top_P,
+                top_k=p.top_K, seed=p.seed, tag=r))
+        return specs
 
-    def _decode_rows(self, batch: Sequence[SynthRequest], hiddens: list[Any],
-                     emitted: list[int], done: list[bool], final: list[bool],
-                     lens: list[int], limits: list[int]) -> Iterator[EngineOutput]:
+    def generate(self, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:
+        """A fixed batch: every row starts together, nobody joins (static batching)."""
+        index = {id(r): k for k, r in enumerate(batch)}
+        pending = list(batch)
+
+        def admit(free: int) -> list[SynthRequest]:
+            nonlocal pending
+            taken, pending = pending[:free], pending[free:]
+            return taken
+
+        for request, chunk in self.serve(admit, max(1, len(batch))):
+            yield index[id(request)], chunk
+
+    def serve(self, admit: Callable[[int], Sequence[SynthRequest]], slots: int
+              ) -> Iterator[tuple[SynthRequest, npt.NDArray[np.float32] | None]]:
+        """Continuous batching: before every GPT step, ``admit(free)`` may hand over up to
+        ``free`` new requests, which join the running batch. Yields ``(request, samples)``
+        in order per request, then ``(request, None)`` once (also for a cancelled one).
+        Returns when no row is left and ``admit`` gives nothing."""
+        import torch
+
+        chat = self.chat
+        if chat is None:
+            raise RuntimeError("engine not loaded")
+        num_vq = chat.config.gpt.num_vq
+        gpt = BatchedGpt(chat.gpt, num_vq, eos_token=chat.config.gpt.num_audio_tokens - 1,
+                         slots=slots)
+        live: list[_Live] = []
+        with torch.no_grad():
+            while True:
+                gpt.cancel(lambda row: row.spec.tag.cancelled.is_set())
+                gpt.evict_done()
+                new = list(admit(gpt.free_slots)) if gpt.free_slots else []
+                if new:
+                    rows = gpt.add(self._specs(new))
+                    live += [_Live(r, row) for r, row in zip(new, rows, strict=True)]
+                if not live:
+                    return
+                if gpt.rows:
+                    gpt.step()
+                yield from self._decode_live(live)
+                live = [x for x in live if not x.done]
+
+    def _decode_live(self, live: list[_Live]) -> Iterator[tuple[SynthRequest,
+                                                             npt.NDArray[np.float32] | None]]:
+        """Decode each row's new tokens once enough exist (its last ones when it ends)."""
         cfg = self.config
-        rows, windows, spans = [], [], []
-        for row, h in enumerate(hiddens):
-            if done[row] or batch[row].cancelled.is_set():
+        due, windows, spans = [], [], []
+        for x in live:
+            row = x.row
+            if x.request.cancelled.is_set():
+                x.done = True
+                yield x.request, None
                 continue
-            end = min(lens[row], limits[row])
-            target = end if final[row] else end - cfg.decode_lookahead
+            final = row.finished or row.evicted
+            end = row.length
+            target = end if final else end - cfg.decode_lookahead
             # Decode sizes grow geometrically (first audio early, then the buffer the
             # client holds doubles) up to decode_tokens: fewer, larger decodes.
             step = min(cfg.decode_tokens, max(cfg.stream_tokens - cfg.decode_lookahead,
-                                              emitted[row]))
-            if not final[row] and target - emitted[row] < max(1, step):
+                                              x.emitted))
+            if not final and target - x.emitted < max(1, step):
                 continue
-            if target <= emitted[row]:
-                if final[row]:
-                    done[row] = True
-                    yield row, None
+            if target <= x.emitted:
+                if final:
+                    x.done = True
+                    yield x.request, None
                 continue
-            w0 = max(0, emitted[row] - cfg.decode_context)
-            rows.append(row)
-            windows.append(h[w0:end].clone())
-            spans.append((w0, emitted[row], target, final[row]))
-        if not rows:
+            w0 = max(0, x.emitted - cfg.decode_context)
+            due.append(x)
+            windows.append(row.hiddens[w0:end].clone())
+            spans.append((w0, x.emitted, target, final))
+        if not due:
             return
         wavs = self.chat._decode_to_wavs(windows, True)
-        for k, row in enumerate(rows):
-            w0, start, target, is_final = spans[k]
-            valid = max(0, (2 * (target - w0) - 1) * 256) if is_final else None
+        for k, x in enumerate(due):
+            w0, start, target, final = spans[k]
+            valid = max(0, (2 * (target - w0) - 1) * 256) if final else None
             a = (start - w0) * SAMPLES_PER_TOKEN
-            b = valid if is_final else (target - w0) * SAMPLES_PER_TOKEN
-            emitted[row] = target
+            b = valid if final else (target - w0) * SAMPLES_PER_TOKEN
+            x.emitted = target
             chunk = np.ascontiguousarray(wavs[k, a:b], dtype=np.float32)
             if chunk.size:
-                yield row, chunk
-            if is_final:
-                done[row] = True
-                yield row, None
+                yield x.request, chunk
+            if final:
+                x.done = True
+                yield x.request, None
+
+
+@dataclass(eq=False)
+class _Live:
+    """A request in the running batch and how much of its audio is out."""
+
+    request: SynthRequest
+    row: GptRow
+    emitted: int = 0  # tokens already turned into audio
+    done: bool = False
 
 
 def _bake_weight_norm(chat: Any) -> None:
@@ -330,40 +373,6 @@ def _bake_weight_norm(chat: Any) -> None:
     for module in [*chat.embed.head_code, chat.embed.head_text]:
         if parametrize.is_parametrized(module, "weight"):
             parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
-
-
-SMALL_GEMM_ROWS = (2, 4)  # rows (batch x new tokens) where the transposed product wins
-
-
-def _small_batch_linears(model: Any) -> None:
-    """On CPU, compute the GPT's linear layers for 2-4 rows as ``(W @ x.T).T``.
-
-    A decode step multiplies each weight matrix by one row per batch element. For 2-4
-    rows, torch's ``F.linear`` (MKL, on this project's AMD EPYC box) is slower than for
-    one row, up to 2.9x at 3 rows, while the transposed product streams the weights once
-    like a matrix-vector product. Measured over 20 Llama layers of ChatTTS's shape,
-    weights streaming from memory: 4 rows 125 -> 94 ms, 3 rows 212 -> 98 ms, 2 rows
-    161 -> 93 ms; 1 row and 6+ rows are left to ``F.linear``, which wins there.
-    """
-    import types
-
-    import torch
-    import torch.nn.functional as F  # noqa: N812
-
-    lo, hi = SMALL_GEMM_ROWS
-
-    def forward(self: Any, x: Any) -> Any:
-        rows = x.numel() // x.shape[-1] if x.dim() >= 2 else 1
-        if lo <= rows <= hi:
-            y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()
-            if self.bias is not None:
-                y = y + self.bias
-            return y.reshape(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight, self.bias)
-
-    for module in model.modules():
-        if type(module) is torch.nn.Linear:
-            module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
 
 
 def _refine_params(chat: Any, params: SynthParams) -> Any:
@@ -382,8 +391,9 @@ class StockChatTTSEngine(ChatTTSEngine):
     """
 
     name = "chattts-stock"
+    continuous = False
     bake_weight_norm = False  # the Chat exactly as ChatTTS builds it
-    small_batch_gemm = False
+    select_kernels = False
 
     def batch_key(self, params: SynthParams) -> Hashable:
         return object()  # never batch

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -35,7 +36,9 @@ class FakeEngine:
         first_chunk_latency_ms: float = 0.0,
         rtf: float = 0.0,
         max_audio_s: float = 30.0,
+        continuous: bool = False,
     ) -> None:
+        self.continuous = continuous  # the scheduler may let requests join running batches
         self.sample_rate = sample_rate
         self.ms_per_char = ms_per_char
         self.chunk_ms = chunk_ms
@@ -67,35 +70,56 @@ class FakeEngine:
         return max(1, int(seconds * self.sample_rate))
 
     def generate(self, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:
-        self.batches.append(len(batch))
+        """A fixed batch (static batching): every row starts together, nobody joins."""
+        index = {id(r): k for k, r in enumerate(batch)}
+        pending = list(batch)
+
+        def admit(free: int) -> list[SynthRequest]:
+            nonlocal pending
+            taken, pending = pending[:free], pending[free:]
+            return taken
+
+        for request, chunk in self.serve(admit, max(1, len(batch))):
+            yield index[id(request)], chunk
+
+    def serve(self, admit: Callable[[int], Sequence[SynthRequest]], slots: int
+              ) -> Iterator[tuple[SynthRequest, npt.NDArray[np.float32] | None]]:
+        """Continuous batching, as the ChatTTS engine does it: before every tick (one
+        ``chunk_ms`` chunk per live row) ``admit(free)`` may add requests to the batch."""
         chunk = max(1, int(self.chunk_ms * self.sample_rate / 1000))
-        totals = [self.total_samples(r.text) for r in batch]
-        freqs = [self.frequency(r.params) for r in batch]
-        for r in batch:
-            if "<fail>" in r.text:
-                raise RuntimeError("fake engine failure requested by the text")
-        if self.first_chunk_latency_ms:
-            self._sleep(self.first_chunk_latency_ms / 1000.0, batch)
-        pos = [0] * len(batch)
-        done = [False] * len(batch)
-        while not all(done):
-            for i, r in enumerate(batch):
-                if done[i]:
-                    continue
+        live: list[_Row] = []
+        while True:
+            free = slots - len(live)
+            new = list(admit(free)) if free > 0 else []
+            for r in new:
+                if "<fail>" in r.text:
+                    raise RuntimeError("fake engine failure requested by the text")
+            if new:
+                self.batches.append(len(live) + len(new))
+                if self.first_chunk_latency_ms:
+                    self._sleep(self.first_chunk_latency_ms / 1000.0, new)
+                live += [_Row(r, self.total_samples(r.text), self.frequency(r.params))
+                         for r in new]
+            if not live:
+                return
+            for row in live:
+                r = row.request
                 if r.cancelled.is_set():
-                    done[i] = True
+                    row.done = True
+                    yield r, None
                     continue
                 if "<hang>" in r.text:
                     r.cancelled.wait(0.05)
                     continue
-                n = min(chunk, totals[i] - pos[i])
-                yield i, self._tone(freqs[i], pos[i], n)
-                pos[i] += n
-                if pos[i] >= totals[i]:
-                    done[i] = True
-                    yield i, None
-            if self.rtf and not all(done):
-                self._sleep(self.rtf * self.chunk_ms / 1000.0, batch)
+                n = min(chunk, row.total - row.pos)
+                yield r, self._tone(row.freq, row.pos, n)
+                row.pos += n
+                if row.pos >= row.total:
+                    row.done = True
+                    yield r, None
+            live = [row for row in live if not row.done]
+            if self.rtf and live:
+                self._sleep(self.rtf * self.chunk_ms / 1000.0, [x.request for x in live])
 
     def _tone(self, freq: float, start: int, n: int) -> npt.NDArray[np.float32]:
         """Samples [start, start + n) of the tone, sliced from two cached seconds (so any
@@ -122,3 +146,12 @@ class FakeEngine:
 
     def close(self) -> None:
         self.loaded = False
+
+
+@dataclass(eq=False)
+class _Row:
+    request: SynthRequest
+    total: int  # samples
+    freq: float
+    pos: int = 0
+    done: bool = False

@@ -1,18 +1,30 @@
-"""rtts's own autoregressive loop over ChatTTS's GPT (its ``LlamaModel`` and heads).
+"""rtts's own autoregressive loop over ChatTTS's GPT, with continuous batching.
 
-``ChatTTS.model.GPT.generate`` is replaced, for serving, by :class:`GptLoop`, which keeps
-the same sampling recipe (temperature per codebook, ChatTTS's repetition penalty over
-the last 16 codes, top-P then top-K, one multinomial draw per codebook, ``manual_seed``
-re-seeding every step) but:
+``ChatTTS.model.GPT.generate`` is replaced, for serving, by :class:`BatchedGpt`. It keeps
+ChatTTS's sampling recipe (temperature, ChatTTS's repetition penalty over the last 16
+codes, top-P then top-K with at least 3 kept, one multinomial draw per codebook,
+``manual_seed`` re-seeding every step) but runs it as a **slot batch** that rows join
+and leave between any two steps:
 
-- keeps keys/values in a **static cache** preallocated for the batch's longest request:
-  no growing ``torch.cat`` of every layer's cache at every step, no per-step input
-  re-slicing;
-- **evicts rows**: a row that has finished (EOS or its own token limit) or whose request
-  was cancelled is removed from the batch at the next step, cache included, so the GPT
-  stops spending compute on it and the others' steps get cheaper;
-- writes each step's hidden state into one preallocated buffer, so handing the decoder
-  a row's hiddens is a view, not a re-stack of the whole history.
+- :meth:`BatchedGpt.add` prefills new rows (a left-padded batch of just the newcomers;
+  the running rows wait for that one forward) and draws their first code; from the next
+  :meth:`BatchedGpt.step` they decode alongside the rows already running;
+- a row that finished (EOS or its own token limit) or whose request was cancelled is
+  **evicted** at the next step, keys/values included: its slot is free at once;
+- sampling params are **per row** (temperature, top-P, top-K, seed): rows with different
+  settings share one forward; a seeded row draws from its own generator, re-seeded every
+  step, so its codes are the ones it would draw running alone;
+- keys/values live in one preallocated buffer per layer, ``(slots, heads, columns, dim)``.
+  Every live row writes its new token at the same column ``t``; each row's valid columns
+  are tracked in a mask, so a row that joined later simply has fewer. Attention reads only
+  columns ``[0, t]``. When ``t`` reaches the end, the columns are compacted to the oldest
+  live row's first one (and the buffer grows only if a single row needs more);
+- each row's hidden states go into its own preallocated buffer, so handing the decoder a
+  row's hiddens is a view.
+
+The loop calls the Llama decoder layers itself (with a small cache object that writes
+into those buffers), so transformers' ``LlamaModel.forward`` and its mask building are
+not on the path; the layers, rotary embedding, norm and heads are ChatTTS's own modules.
 
 One difference from ChatTTS: an EOS drawn at the very first step is masked instead of
 regenerating the whole batch (ChatTTS's ``ensure_non_empty``), so an utterance is never
@@ -21,155 +33,341 @@ empty and no other row pays for a retry.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GptLoop", "LoopRow", "LoopStep"]
+__all__ = ["BatchedGpt", "GptRow", "RowSpec"]
+
+MIN_TOKENS_TO_KEEP = 3  # ChatTTS's gen_logits: top-P and top-K keep at least 3 codes
+PENALTY_WINDOW = 16  # ChatTTS's repetition penalty looks at the last 16 codes
 
 
 @dataclass
-class LoopRow:
-    """One batch row's progress. ``hiddens[:length]`` are final once written."""
+class RowSpec:
+    """What a row needs to join: its prompt and its own sampling settings."""
 
-    length: int = 0  # tokens generated (EOS excluded)
+    emb: Any  # (T, H) prompt embeddings, speaker applied, no padding
+    limit: int  # max new tokens
+    min_tokens: int = 0  # EOS masked before this many
+    temperature: float = 0.3
+    top_p: float = 0.7
+    top_k: int = 20
+    seed: int | None = None
+    tag: Any = None  # the caller's handle (e.g. its request)
+
+
+@dataclass(eq=False)
+class GptRow:
+    """One row's progress. ``hiddens[:length]`` are final once written."""
+
+    spec: RowSpec
+    hiddens: Any  # (limit, H) float32
+    codes: Any  # (limit, num_vq) long
+    length: int = 0  # codes generated (EOS excluded)
     finished: bool = False  # EOS drawn, or limit reached
     evicted: bool = False  # no longer computed (finished or cancelled)
+    next_pos: int = 0  # position id of the next input token
+    generator: Any = None  # per-row torch.Generator when seeded
+    last: Any = field(default=None, repr=False)  # (num_vq,) codes to feed next
 
 
-@dataclass
-class LoopStep:
-    """Yielded every ``yield_every`` steps and at the end."""
+class _SlotCache:
+    """The object handed to transformers' attention as its cache: writes the new
+    keys/values into the shared buffers at the current window, returns what to attend."""
 
-    step: int
-    rows: list[LoopRow]
-    hiddens: Any  # tensor (batch, max_new, hidden): row r's hiddens are [r, :length]
-    done: bool  # every row finished or evicted
+    def __init__(self, keys: list[Any], values: list[Any]) -> None:
+        self.keys, self.values = keys, values
+        self.rows = slice(0, 0)
+        self.write = 0  # first column written by this forward
+        self.read = 0  # first column attended
+
+    def update(self, key: Any, value: Any, layer_idx: int, *args: Any, **kwargs: Any
+               ) -> tuple[Any, Any]:
+        end = self.write + key.shape[2]
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k[self.rows, :, self.write:end] = key
+        v[self.rows, :, self.write:end] = value
+        return k[self.rows, :, self.read:end], v[self.rows, :, self.read:end]
 
 
-class GptLoop:
-    """Generate audio-code hidden states for a batch with ChatTTS's GPT modules."""
+class BatchedGpt:
+    """A continuous batch of up to ``slots`` rows over ChatTTS's GPT modules.
 
-    def __init__(self, gpt: Any, num_vq: int, eos_token: int) -> None:
+    Not thread-safe: one thread drives ``add``/``step``/``cancel`` at a time.
+    """
+
+    def __init__(self, gpt: Any, num_vq: int, eos_token: int, slots: int,
+                 penalty: float = 1.05, columns: int = 256) -> None:
+        import torch
+
         self.gpt = gpt  # ChatTTS.model.GPT (loaded)
+        self.model = gpt.gpt  # transformers LlamaModel (embed_tokens removed)
         self.num_vq = num_vq
         self.eos = eos_token
+        self.slots = slots
+        self.penalty = penalty
+        self.device = gpt.device_gpt
+        self.dtype = self.model.dtype
+        cfg = self.model.config
+        self.layers = list(self.model.layers[: cfg.num_hidden_layers])
+        heads = cfg.num_key_value_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self._kv_shape = (slots, heads, head_dim)
+        self.hidden = cfg.hidden_size
+        self.keys: list[Any] = []
+        self.values: list[Any] = []
+        self.valid = torch.zeros(0)
+        self._alloc(columns)
+        self.cache = _SlotCache(self.keys, self.values)
+        self.rows: list[GptRow] = []  # live rows, in slot order (row k is in slot k)
+        self.t = 0  # next column every live row writes
+        self.steps = 0
+        self.forward_rows: list[int] = []  # rows computed by each forward (tests, metrics)
 
-    def run(
-        self,
-        emb: Any,  # (B, T0, H) prompt embeddings, speaker applied
-        attention_mask: Any,  # (B, T0), left padding
-        limits: Sequence[int],  # per row: max new tokens
-        min_tokens: Sequence[int],  # per row: EOS masked before this many
-        temperature: float,
-        logits_processors: Sequence[Callable[[Any, Any], Any]],
-        manual_seed: int | None,
-        cancelled: Callable[[int], bool],
-        yield_every: int,
-    ) -> Generator[LoopStep, None, None]:
+    # -- buffers -------------------------------------------------------------------------
+
+    @property
+    def columns(self) -> int:
+        return int(self.valid.shape[1])
+
+    def _alloc(self, columns: int) -> None:
+        """(Re)allocate the buffers with ``columns`` columns, keeping ``[0, t)``."""
+        import torch
+
+        slots, heads, head_dim = self._kv_shape
+        old_k, old_v, old_valid = self.keys, self.values, self.valid
+        old_cols = int(old_valid.shape[1]) if old_valid.dim() == 2 else 0
+        keep = min(getattr(self, "t", 0), columns, old_cols) if getattr(self, "rows", None) else 0
+        shape = (slots, heads, columns, head_dim)
+        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        valid = torch.zeros(slots, columns, dtype=torch.bool, device=self.device)
+        if keep and old_k:
+            for dst, src in ((new_k, old_k), (new_v, old_v)):
+                for d, s in zip(dst, src, strict=True):
+                    d[:, :, :keep] = s[:, :, :keep]
+            valid[:, :keep] = old_valid[:, :keep]
+        self.keys[:] = new_k
+        self.values[:] = new_v
+        self.valid = valid
+
+    def _move_columns(self, src: int, dst: int, n: int) -> None:
+        """Copy columns ``[src, src+n)`` to ``[dst, dst+n)`` for the live rows."""
+        if n <= 0 or src == dst:
+            return
+        b = len(self.rows)
+        for buf in (*self.keys, *self.values):
+            buf[:b, :, dst:dst + n] = buf[:b, :, src:src + n].clone()
+        block = self.valid[:b, src:src + n].clone()
+        self.valid[:b, min(src, dst):max(src, dst) + n] = False
+        self.valid[:b, dst:dst + n] = block
+
+    def _make_room(self, left: int) -> None:
+        """Ensure ``left`` columns before ``t`` and one at ``t``: shift, compact, or grow."""
+        b = len(self.rows)
+        if b == 0:
+            self.t = left
+        elif self.t < left:  # a newcomer's prompt is longer than the history: shift right
+            shift = left - self.t
+            if self.t + shift + 1 > self.columns:
+                self._alloc(max(self.t + shift + 1, self.columns * 3 // 2 + 16))
+            self._move_columns(0, shift, self.t)
+            self.t += shift
+        if self.t + 1 > self.columns:
+            used = self.valid[:b, : self.t].any(0).nonzero() if b else None
+            first = int(used[0]) if used is not None and used.numel() else self.t
+            first = min(first, self.t - left)
+            if first > 0:  # drop columns no live row uses
+                self._move_columns(first, 0, self.t - first)
+                self.t -= first
+            if self.t + 1 > self.columns:
+                self._alloc(max(self.t + 1, self.columns * 3 // 2 + 16))
+
+    # -- the model -----------------------------------------------------------------------
+
+    def _forward(self, x: Any, pos: Any, mask: Any, rows: slice, write: int, read: int) -> Any:
+        """Run the decoder layers on ``x`` (n, q, H) for buffer rows ``rows``."""
+        self.cache.rows, self.cache.write, self.cache.read = rows, write, read
+        self.forward_rows.append(int(x.shape[0]))
+        h = x.to(self.device, self.dtype)
+        cos_sin = self.model.rotary_emb(h, position_ids=pos)
+        for layer in self.layers:
+            h = layer(h, attention_mask=mask, position_ids=pos, cache=self.cache,
+                      position_embeddings=cos_sin)
+        return self.model.norm(h)
+
+    def _sample(self, rows: Sequence[GptRow], h: Any) -> Any:
+        """Draw one code per codebook for each row from last hidden states ``h`` (n, H)."""
         import torch
         import torch.nn.functional as F  # noqa: N812
-        from transformers.cache_utils import StaticCache
 
-        gpt, num_vq = self.gpt, self.num_vq
-        model = gpt.gpt  # transformers LlamaModel
-        device = emb.device
-        batch, prompt_len, hidden = emb.shape
-        max_new = max(limits)
-        rows = [LoopRow() for _ in range(batch)]
-        hiddens = torch.empty(batch, max_new, hidden, dtype=torch.float32, device=device)
-        codes = torch.empty(batch, max_new, num_vq, dtype=torch.long, device=device)
-        cache = StaticCache(config=model.config, max_cache_len=prompt_len + max_new)
-        mask = attention_mask.to(device=device, dtype=torch.long)
-        padded = bool((mask == 0).any())
-        full_mask = torch.ones(batch, prompt_len + max_new, dtype=torch.long, device=device)
-        full_mask[:, :prompt_len] = mask
-        position_ids = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
-        next_pos = position_ids[:, -1:] + 1  # (B, 1)
-        live = torch.arange(batch, device=device)  # batch rows still computed, in order
-        live_rows = list(range(batch))
-        gen = torch.Generator(device=device) if manual_seed is not None else None
-        temp = torch.tensor(temperature, dtype=torch.float32, device=device)
-        limits_t = torch.tensor(list(limits), device=device)
-        min_t = torch.tensor([max(1, m) for m in min_tokens], device=device)
-        inputs = emb
-        step = 0
-        with torch.no_grad():
-            for step in range(max_new):
-                seen = prompt_len + step
-                if step == 0:
-                    cache_position = torch.arange(prompt_len, device=device)
-                    pos = position_ids
-                else:
-                    cache_position = torch.tensor([seen], device=device)
-                    pos = next_pos
-                    next_pos = next_pos + 1
-                mask_len = seen if step == 0 else seen + 1
-                out = model(
-                    inputs_embeds=inputs.to(gpt.device_gpt, model.dtype),
-                    attention_mask=(full_mask.index_select(0, live)[:, :mask_len]
-                                    if padded else None),
-                    position_ids=pos, past_key_values=cache, cache_position=cache_position,
-                    use_cache=True,
-                )
-                h = out.last_hidden_state[:, -1].to(device, torch.float32)  # (b, H)
-                del out
-                hiddens[live, step] = h
-                logits = torch.stack([head(h) for head in gpt.head_code], 2)  # (b, V, vq)
-                logits = logits.permute(0, 2, 1).reshape(-1, logits.size(1)).float()
-                history = codes.index_select(0, live)[:, :step]  # (b, step, vq)
-                history = history.permute(0, 2, 1).reshape(logits.size(0), step)
-                logits = logits / temp
-                for proc in logits_processors:
-                    logits = proc(history, logits)
-                early = (min_t.index_select(0, live) > step).repeat_interleave(num_vq)
-                if bool(early.any()):
-                    logits[early, self.eos] = -torch.inf
-                scores = F.softmax(logits, dim=-1)
-                if manual_seed is not None:
-                    assert gen is not None
-                    gen.manual_seed(manual_seed)  # ChatTTS re-seeds at every step
-                drawn = torch.multinomial(scores, num_samples=1, generator=gen)
-                drawn = drawn.view(-1, num_vq)  # (b, vq)
-                codes[live, step] = drawn
-                eos = drawn.eq(self.eos).any(1).tolist()
-                at_limit = (limits_t.index_select(0, live) <= step + 1).tolist()
-                keep: list[int] = []
-                for k, r in enumerate(live_rows):
-                    row = rows[r]
-                    if eos[k]:
-                        row.finished = True
-                    else:
-                        row.length = step + 1
-                        if at_limit[k]:
-                            row.finished = True
-                    if row.finished or cancelled(r):
-                        row.evicted = True
-                    else:
-                        keep.append(k)
-                done = not keep
-                # Yield on schedule, and at once when a row ends (its last audio is due).
-                if done or len(keep) < len(live_rows) or (step + 1) % yield_every == 0:
-                    yield LoopStep(step + 1, rows, hiddens, done)
-                if done:
-                    return
-                if len(keep) < len(live_rows):
-                    idx = torch.tensor(keep, device=device)
-                    _evict(cache, idx)
-                    live = live.index_select(0, idx)
-                    live_rows = [live_rows[k] for k in keep]
-                    drawn = drawn.index_select(0, idx)
-                    next_pos = next_pos.index_select(0, idx)
-                # (b, 1, H): the codebooks' embeddings summed, in ChatTTS's order
-                inputs = torch.stack([gpt.emb_code[v](drawn[:, v:v + 1]) for v in range(num_vq)],
-                                     3).sum(3)
-        yield LoopStep(step + 1, rows, hiddens, True)
+        vq, n = self.num_vq, len(rows)
+        logits = torch.stack([head(h) for head in self.gpt.head_code], 2)  # (n, V, vq)
+        logits = logits.permute(0, 2, 1).reshape(n * vq, -1).float()
+        dev = logits.device
+        specs = [r.spec for r in rows]
 
+        def per_row(values: list[float]) -> Any:
+            return torch.tensor(values, device=dev).repeat_interleave(vq).unsqueeze(1)
 
-def _evict(cache: Any, keep: Any) -> None:
-    """Keep only batch rows ``keep`` in every layer of a static cache (in place)."""
-    for layer in cache.layers:
-        if getattr(layer, "is_initialized", False):
-            layer.keys = layer.keys.index_select(0, keep)
-            layer.values = layer.values.index_select(0, keep)
-            layer.batch_size = int(keep.numel())
+        logits = logits / per_row([s.temperature for s in specs])
+        logits = self._penalize(rows, logits)
+        # top-P (transformers' TopPLogitsWarper, per row)
+        sorted_logits, sorted_idx = torch.sort(logits, descending=False)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - per_row([s.top_p for s in specs]))
+        drop[..., -MIN_TOKENS_TO_KEEP:] = False
+        logits = logits.masked_fill(drop.scatter(1, sorted_idx, drop), -torch.inf)
+        # top-K (TopKLogitsWarper, per row)
+        ks = [min(max(s.top_k, MIN_TOKENS_TO_KEEP), logits.size(-1)) for s in specs]
+        top = torch.topk(logits, max(ks)).values
+        kth = top.gather(1, per_row([k - 1 for k in ks]).long())
+        logits = logits.masked_fill(logits < kth, -torch.inf)
+        early = [r.length < max(1, r.spec.min_tokens) for r in rows]
+        if any(early):
+            logits[per_row([float(e) for e in early]).squeeze(1).bool(), self.eos] = -torch.inf
+        scores = F.softmax(logits, dim=-1)
+        drawn = torch.empty(n * vq, 1, dtype=torch.long, device=dev)
+        free = [k for k, r in enumerate(rows) if r.generator is None]
+        if free:
+            idx = torch.tensor([k * vq + v for k in free for v in range(vq)], device=dev)
+            drawn[idx] = torch.multinomial(scores.index_select(0, idx), num_samples=1)
+        for k, r in enumerate(rows):
+            if r.generator is not None:  # ChatTTS re-seeds at every step
+                r.generator.manual_seed(r.spec.seed)
+                drawn[k * vq:(k + 1) * vq] = torch.multinomial(
+                    scores[k * vq:(k + 1) * vq], num_samples=1, generator=r.generator)
+        return drawn.view(n, vq)
+
+    def _penalize(self, rows: Sequence[GptRow], logits: Any) -> Any:
+        """ChatTTS's repetition penalty over each row's last 16 codes (per codebook)."""
+        import torch
+
+        if self.penalty == 1.0:
+            return logits
+        vq = self.num_vq
+        width = min(PENALTY_WINDOW, max(r.length for r in rows))
+        if width == 0:
+            return logits
+        hist = torch.zeros(len(rows), width, vq, dtype=torch.long, device=logits.device)
+        weight = torch.zeros(len(rows), width, vq, device=logits.device)
+        for k, r in enumerate(rows):
+            m = min(width, r.length)
+            if m:
+                hist[k, width - m:] = r.codes[r.length - m:r.length]
+                weight[k, width - m:] = 1.0
+        hist = hist.permute(0, 2, 1).reshape(len(rows) * vq, width)
+        weight = weight.permute(0, 2, 1).reshape(len(rows) * vq, width)
+        freq = torch.zeros_like(logits).scatter_add_(1, hist, weight)
+        alpha = torch.pow(self.penalty, freq)
+        return torch.where(logits < 0, logits * alpha, logits / alpha)
+
+    def _after_draw(self, rows: Sequence[GptRow], h: Any, drawn: Any) -> None:
+        eos = drawn.eq(self.eos).any(1).tolist()
+        for k, r in enumerate(rows):
+            r.hiddens[r.length] = h[k]
+            if eos[k]:
+                r.finished = True
+                continue
+            r.codes[r.length] = drawn[k]
+            r.last = drawn[k]
+            r.length += 1
+            if r.length >= r.spec.limit:
+                r.finished = True
+
+    # -- public API ----------------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        return self.slots - len(self.rows)
+
+    def add(self, specs: Sequence[RowSpec]) -> list[GptRow]:
+        """Prefill ``specs`` (at most ``free_slots``) and draw their first codes."""
+        import torch
+
+        if not specs:
+            return []
+        if len(specs) > self.free_slots:
+            raise ValueError(f"{len(specs)} rows do not fit in {self.free_slots} free slots")
+        self.evict_done()
+        lens = [int(s.emb.shape[0]) for s in specs]
+        width = max(lens)
+        self._make_room(width)
+        b, n, dev = len(self.rows), len(specs), self.device
+        x = torch.zeros(n, width, self.hidden, dtype=self.dtype, device=dev)
+        pad = torch.zeros(n, width, dtype=torch.bool, device=dev)
+        for k, (s, m) in enumerate(zip(specs, lens, strict=True)):
+            x[k, width - m:] = s.emb.to(dev, self.dtype)
+            pad[k, : width - m] = True
+        offset = width - torch.tensor(lens, device=dev).unsqueeze(1)
+        pos = (torch.arange(width, device=dev).unsqueeze(0) - offset).clamp_(min=0)
+        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril_()
+        mask = causal.unsqueeze(0) & ~pad.unsqueeze(1)
+        mask |= torch.eye(width, dtype=torch.bool, device=dev)  # pad queries see themselves
+        start = self.t - width
+        h = self._forward(x, pos, mask.unsqueeze(1), slice(b, b + n), start, start)
+        self.valid[b:b + n] = False
+        self.valid[b:b + n, start:self.t] = ~pad
+        new: list[GptRow] = []
+        for s, m in zip(specs, lens, strict=True):
+            gen = None
+            if s.seed is not None:
+                gen = torch.Generator(device=dev)
+            new.append(GptRow(spec=s, next_pos=m, generator=gen,
+                              hiddens=torch.empty(s.limit, self.hidden, device=dev),
+                              codes=torch.empty(s.limit, self.num_vq, dtype=torch.long,
+                                                device=dev)))
+        last = h[:, -1].float()
+        self._after_draw(new, last, self._sample(new, last))
+        self.rows.extend(new)
+        return new
+
+    def cancel(self, rows: Callable[[GptRow], bool]) -> None:
+        """Mark rows for which ``rows(row)`` is true as evicted (freed at the next step)."""
+        for r in self.rows:
+            if not r.evicted and rows(r):
+                r.evicted = True
+
+    def evict_done(self) -> list[GptRow]:
+        """Drop finished and cancelled rows from the slots now; return them."""
+        import torch
+
+        gone = [r for r in self.rows if r.finished or r.evicted]
+        if not gone:
+            return []
+        keep = [k for k, r in enumerate(self.rows) if not (r.finished or r.evicted)]
+        for r in gone:
+            r.evicted = True
+        if keep and keep != list(range(len(keep))):
+            idx = torch.tensor(keep, device=self.device)
+            cols = self.t
+            for buf in (*self.keys, *self.values):
+                buf[: len(keep), :, :cols] = buf[idx, :, :cols]
+            self.valid[: len(keep)] = self.valid[idx]
+        self.rows = [self.rows[k] for k in keep]
+        if not self.rows:
+            self.t = 0
+        return gone
+
+    def step(self) -> None:
+        """One decode step for every live row (after evicting the ended ones)."""
+        import torch
+
+        self.evict_done()
+        if not self.rows:
+            return
+        self._make_room(0)
+        b, t, dev = len(self.rows), self.t, self.device
+        codes = torch.stack([r.last for r in self.rows])  # (b, vq)
+        x = torch.stack([self.gpt.emb_code[v](codes[:, v:v + 1]) for v in range(self.num_vq)],
+                        3).sum(3)  # (b, 1, H): the codebooks' embeddings summed
+        pos = torch.tensor([[r.next_pos] for r in self.rows], device=dev)
+        self.valid[:b, t] = True
+        mask = self.valid[:b, : t + 1].view(b, 1, 1, t + 1)
+        h = self._forward(x, pos, mask, slice(0, b), t, 0)[:, -1].float()
+        self.t += 1
+        self.steps += 1
+        for r in self.rows:
+            r.next_pos += 1
+        self._after_draw(self.rows, h, self._sample(self.rows, h))

@@ -69,3 +69,51 @@ test("cancel sends cancel and drops late frames", async () => {
   assert.equal(u.state, "cancelled");
   assert.deepEqual(ws.sent.map((m) => m.type), ["start", "text", "cancel"]);
 });
+
+test("the player's own AudioContext runs at the stream's rate, else the device's", async () => {
+  const { PcmPlayer, createAudioContext, DEFAULT_CONTEXT_RATE } = await import("../pcm-player.js");
+  const made = [];
+  const saved = [globalThis.AudioContext, globalThis.AudioWorkletNode];
+  try {
+    globalThis.AudioContext = class {
+      constructor(opts) {
+        made.push(opts);
+        if (opts.sampleRate === 12345) throw new DOMException("rate", "NotSupportedError");
+        this.sampleRate = opts.sampleRate ?? 44100;
+        this.state = "running";
+        this.audioWorklet = { addModule: async () => {} };
+      }
+      createAnalyser() { return { connect() {} }; }
+    };
+    globalThis.AudioWorkletNode = class { constructor() { this.port = {}; } connect() {} };
+    assert.equal(DEFAULT_CONTEXT_RATE, 24000);
+    assert.equal(createAudioContext(12345).sampleRate, 44100); // refused: the device's rate
+    const p = new PcmPlayer();
+    await p.connect();
+    assert.equal(p.sampleRate, 24000);
+    const q = new PcmPlayer({ sampleRate: 16000 });
+    await q.connect();
+    assert.equal(q.sampleRate, 16000);
+    assert.deepEqual(made.map((o) => o.sampleRate), [12345, undefined, 24000, 16000]);
+  } finally {
+    [globalThis.AudioContext, globalThis.AudioWorkletNode] = saved;
+  }
+});
+
+test("speak asks for the player's rate, or the server's native rate when it cannot send it",
+  async () => {
+    class NativeRateSocket extends ScriptedSocket {
+      serverSays(obj) {
+        super.serverSays(obj.type === "ready" ? { ...obj, sample_rate: 22050 } : obj);
+      }
+    }
+    const player = (rate) => ({ sampleRate: rate, connect: async () => {}, announce() {},
+                                addEventListener() {}, end() {}, write() {} });
+    for (const [rate, asked] of [[24000, 24000], [48000, 48000], [96000, 22050]]) {
+      const c = new RttsClient("ws://h/v1/stream", { player: player(rate),
+                                                    WebSocket: NativeRateSocket });
+      await c.open();
+      c.speak(undefined, { contextId: `r${rate}` });
+      assert.equal(ScriptedSocket.last.sent[0].sample_rate, asked);
+    }
+  });

@@ -37,4 +37,6 @@ test("pcm16 to float and server rate choice", () => {
   assert.deepEqual([...pcm16ToFloat32(Int16Array.from([16384, -32768]))], [0.5, -1]);
   assert.equal(pickServerRate(48000), 48000);
   assert.equal(pickServerRate(96000), 24000);
+  assert.equal(pickServerRate(96000, 22050), 22050); // the server's native rate from `ready`
+  assert.equal(pickServerRate(16000, 22050), 16000);
 });

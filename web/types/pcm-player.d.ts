@@ -1,6 +1,16 @@
 /**
+ * An AudioContext at `sampleRate` where the browser allows it, else at the device's rate.
+ * @param {number} sampleRate
+ * @returns {AudioContext}
+ */
+export function createAudioContext(sampleRate: number): AudioContext;
+/**
  * @typedef {object} PlayerOptions
  * @property {AudioContext} [audioContext] reuse an existing context
+ * @property {number} [sampleRate=24000] rate of the AudioContext the player creates: the
+ *   stream's rate (the server's native rate, so nobody resamples in JavaScript; the browser
+ *   converts to the device rate itself). Falls back to the device's rate where the browser
+ *   refuses it.
  * @property {number} [targetMs=60]  prebuffer before a track starts (grows after underruns)
  * @property {number} [maxMs=400]    largest prebuffer
  * @property {number} [fadeMs=5]     fade-out on interrupt
@@ -16,7 +26,11 @@
  * @property {number} level        peak of the last quantum
  * @property {Object<string, {played: number, segments: Object<string, number>}>} positions
  * @property {Object<string, number>} afterInterrupt audible samples played after interrupt
+ * @property {number} resampled    input samples that went through the worklet's linear
+ *   fallback resampler (0 when the server sends at the context's rate)
  */
+/** The server's native rate (ChatTTS): what the player's own AudioContext runs at. */
+export const DEFAULT_CONTEXT_RATE: 24000;
 export class PcmPlayer extends EventTarget {
     /** @param {PlayerOptions} [options] */
     constructor(options?: PlayerOptions);
@@ -67,6 +81,13 @@ export type PlayerOptions = {
      */
     audioContext?: AudioContext;
     /**
+     * rate of the AudioContext the player creates: the
+     * stream's rate (the server's native rate, so nobody resamples in JavaScript; the browser
+     * converts to the device rate itself). Falls back to the device's rate where the browser
+     * refuses it.
+     */
+    sampleRate?: number;
+    /**
      * prebuffer before a track starts (grows after underruns)
      */
     targetMs?: number;
@@ -116,4 +137,9 @@ export type PlayerStats = {
     afterInterrupt: {
         [x: string]: number;
     };
+    /**
+     * input samples that went through the worklet's linear
+     * fallback resampler (0 when the server sends at the context's rate)
+     */
+    resampled: number;
 };

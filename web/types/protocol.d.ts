@@ -30,11 +30,12 @@ export function buildFrame(header: FrameHeader, pcm: Int16Array): ArrayBuffer;
 export function pcm16ToFloat32(pcm: Int16Array): Float32Array;
 /**
  * Pick the rate to ask the server for: the AudioContext's own rate when the server
- * supports it, else the engine's native 24 kHz (the worklet then resamples).
+ * supports it, else the server's native rate (the worklet then resamples, linearly).
  * @param {number} contextRate
+ * @param {number} [nativeRate=24000] the server's rate (`sample_rate` of its `ready` event)
  * @returns {number}
  */
-export function pickServerRate(contextRate: number): number;
+export function pickServerRate(contextRate: number, nativeRate?: number): number;
 /** Bytes in the binary audio frame header. */
 export const FRAME_HEADER_BYTES: 12;
 export const PROTOCOL_VERSION: 1;

@@ -186,7 +186,9 @@ export type ConnectOptions = {
      */
     audioContext?: AudioContext;
     /**
-     * rate to request (default: the player's rate)
+     * rate to request, and the rate of the AudioContext
+     * the client's player creates (default: 24000, the server's native rate, so neither side
+     * resamples; with `audioContext`, the default is that context's rate)
      */
     sampleRate?: number;
     reconnect?: {

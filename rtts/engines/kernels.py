@@ -1,0 +1,235 @@
+"""Linear-layer kernels for the GPT, chosen by measuring on the machine that serves.
+
+A decode step multiplies every weight matrix of the GPT by one row per batch row, so
+its speed is how fast the weights stream through the cores. Which way of doing that is
+fastest depends on the CPU (and its BLAS): on one AMD EPYC, MKL's ``F.linear`` was up to
+2.9x slower at 2-4 rows than at 1 while ``(W @ x.T).T`` was not; on an Intel Xeon with
+AVX-512 the opposite held. So nothing is hard-coded: at load, :func:`install` times each
+candidate path over the GPT's own linear layers at every row count the batch can have
+(1..slots) and keeps the fastest one per row count. Candidates are those the weight
+precision (``dtype``) allows, plus plain fp32 ``F.linear``, so the chosen path is never
+slower than ``F.linear`` on the machine it runs on.
+
+Paths:
+
+``linear``      fp32 ``F.linear`` (the reference)
+``transposed``  fp32 ``(W @ x.T).T``: streams W once like a matrix-vector product
+``bf16``        bf16 weights and activations (``F.linear``), output back in fp32
+``int8``        weight-only int8 (per-output-channel scales), fp32 activations:
+                ``aten._weight_int8pack_mm``; a quarter of the fp32 bytes per step
+``int8dyn``     int8 weights (per channel) and int8 activations quantized per call
+                (fbgemm's dynamic quantized linear, ``torch.ao``): the fastest on AVX2
+                CPUs, where torch's int8pack kernel is slow; its activation scale is
+                shared by the rows of one call, so batch neighbours nudge each other
+
+Prefill (more rows than slots) is timed too, at ``PREFILL_ROWS`` rows. Only the GPT's
+transformer layers are converted; embeddings, the output heads, norms and attention
+stay fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DTYPES", "KernelTable", "install"]
+
+logger = logging.getLogger("rtts.kernels")
+
+DTYPES = ("fp32", "bf16", "int8")
+_CANDIDATES = {"fp32": ("linear", "transposed"), "bf16": ("bf16", "linear"),
+               "int8": ("int8", "int8dyn", "linear")}
+PREFILL_ROWS = 64  # a typical prompt: the row count prefill is timed at
+TIMED_BYTES = 192 * 2**20  # weights timed per path and row count (see install)
+
+
+@dataclass
+class KernelTable:
+    """What :func:`install` measured and chose (logged, and shown in ``/v1/info``)."""
+
+    dtype: str
+    chosen: dict[int, str]  # rows -> path
+    ms: dict[str, dict[int, float]] = field(default_factory=dict)  # path -> rows -> ms/step
+
+    def summary(self) -> str:
+        rows = sorted(self.chosen)
+        lines = [f"dtype {self.dtype}; ms per pass over the first {TIMED_BYTES >> 20} MB of the "
+                 "GPT's linear layers:",
+                 "rows  " + "  ".join(f"{p:>10}" for p in self.ms) + "  chosen"]
+        for r in rows:
+            cells = "  ".join(f"{self.ms[p].get(r, float('nan')):10.2f}" for p in self.ms)
+            lines.append(f"{r:4d}  {cells}  {self.chosen[r]}")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "chosen": self.chosen, "ms": self.ms}
+
+
+def _quantize_int8(weight: Any) -> tuple[Any, Any]:
+    """Symmetric per-output-channel int8: ``W ~= q * scale[:, None]``."""
+    import torch
+
+    scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    q = torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scales.float().contiguous()
+
+
+class _Weights:
+    """The forms of one layer's weight that the installed paths need."""
+
+    def __init__(self, module: Any, paths: set[str]) -> None:
+        import torch
+
+        w = module.weight.detach()
+        self.bias = None if module.bias is None else module.bias.detach().float()
+        self.fp32: Any = w.float().contiguous() if paths & {"linear", "transposed"} else None
+        self.bf16: Any = w.to(torch.bfloat16).contiguous() if "bf16" in paths else None
+        self.q: Any = None
+        self.scales: Any = None
+        self.qdyn: Any = None
+        if "int8" in paths:
+            self.q, self.scales = _quantize_int8(w.float())
+        if "int8dyn" in paths:
+            self.qdyn = _dynamic_int8(module)
+
+
+def _dynamic_int8(module: Any) -> Any:
+    """fbgemm's dynamic quantized linear for ``module`` (per-channel int8 weights)."""
+    import warnings
+
+    import torch
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    copy = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+    copy.load_state_dict({k: v.float() for k, v in module.state_dict().items()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(  # type: ignore[no-untyped-call]
+            torch.nn.Sequential(copy), {torch.nn.Linear: per_channel_dynamic_qconfig},
+            dtype=torch.qint8)[0]
+
+
+def _path_fn(path: str) -> Callable[[_Weights, Any], Any]:
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    def linear(w: _Weights, x: Any) -> Any:
+        return F.linear(x, w.fp32, w.bias)
+
+    def transposed(w: _Weights, x: Any) -> Any:
+        y = torch.mm(w.fp32, x.t()).t()
+        return y if w.bias is None else y + w.bias
+
+    def bf16(w: _Weights, x: Any) -> Any:
+        y = F.linear(x.to(torch.bfloat16), w.bf16).float()
+        return y if w.bias is None else y + w.bias
+
+    def int8(w: _Weights, x: Any) -> Any:
+        y = torch.ops.aten._weight_int8pack_mm(x, w.q, w.scales)
+        return y if w.bias is None else y + w.bias
+
+    def int8dyn(w: _Weights, x: Any) -> Any:
+        return w.qdyn(x)
+
+    paths = {"linear": linear, "transposed": transposed, "bf16": bf16, "int8": int8,
+             "int8dyn": int8dyn}
+    return paths[path]
+
+
+def _linears(model: Any) -> list[Any]:
+    import torch
+
+    return [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+
+def _time_path(weights: Sequence[_Weights], fn: Callable[[_Weights, Any], Any], rows: int,
+               shapes: Sequence[int], repeat: int) -> float:
+    """Milliseconds for one pass of ``rows`` rows through ``weights`` (best of repeat)."""
+    import torch
+
+    xs = {n: torch.randn(rows, n) for n in set(shapes)}
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(repeat + 1):  # the first pass warms caches and kernels up
+            t0 = time.perf_counter()
+            for w, n in zip(weights, shapes, strict=True):
+                fn(w, xs[n])
+            best = min(best, time.perf_counter() - t0)
+    return 1000 * best
+
+
+def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "cpu",
+            force: str | None = None, repeat: int = 2) -> KernelTable:
+    """Measure the candidate paths on ``model``'s linear layers and install the fastest
+    per row count (1..``max_rows``); ``force`` installs one path for every row count."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
+    mods = _linears(model)
+    if not mods:
+        return KernelTable(dtype, {})
+    candidates: tuple[str, ...] = _CANDIDATES[dtype]
+    if device != "cpu":  # GPU: plain F.linear in the precision (int8 kernels are CPU-only)
+        candidates = ("linear",) if dtype == "fp32" else ("bf16",)
+    if force:
+        candidates = (force,)
+    weights = [_Weights(m, set(candidates)) for m in mods]
+    shapes = [int(m.in_features) for m in mods]
+    # Time a prefix of the layers holding >= TIMED_BYTES of fp32 weights: still far
+    # beyond the caches (so weights stream from memory as in a real step), a fraction of
+    # the load-time cost on a full model.
+    n, total = 0, 0
+    while n < len(mods) and total < TIMED_BYTES:
+        total += mods[n].weight.numel() * 4
+        n += 1
+    timed_w, timed_shapes = weights[:n], shapes[:n]
+    table = KernelTable(dtype, {})
+    rows_range = [*range(1, max(1, max_rows) + 1), PREFILL_ROWS]
+    if len(candidates) == 1:
+        table.chosen = {r: candidates[0] for r in rows_range}
+    else:
+        for path in candidates:
+            fn = _path_fn(path)
+            table.ms[path] = {r: _time_path(timed_w, fn, r, timed_shapes, repeat)
+                              for r in rows_range}
+        for r in rows_range:
+            table.chosen[r] = min(candidates, key=lambda p: table.ms[p][r])
+    # Keep only the weight forms a chosen path uses.
+    used = set(table.chosen.values())
+    for w in weights:
+        if not used & {"linear", "transposed"}:
+            w.fp32 = None
+        if "bf16" not in used:
+            w.bf16 = None
+        if "int8" not in used:
+            w.q = w.scales = None
+        if "int8dyn" not in used:
+            w.qdyn = None
+    fns = {p: _path_fn(p) for p in used}
+    by_rows = {r: fns[p] for r, p in table.chosen.items() if r != PREFILL_ROWS}
+    prefill = fns[table.chosen[PREFILL_ROWS]]
+    for module, w in zip(mods, weights, strict=True):
+        _patch(module, w, by_rows, prefill)
+    if device == "cpu":
+        logger.info("GPT linear kernels:\n%s", table.summary())
+    return table
+
+
+def _patch(module: Any, w: _Weights, by_rows: dict[int, Callable[[_Weights, Any], Any]],
+           prefill: Callable[[_Weights, Any], Any]) -> None:
+    def forward(self: Any, x: Any) -> Any:
+        rows = x.numel() // x.shape[-1]
+        fn = by_rows.get(rows, prefill)
+        y = fn(w, x.reshape(rows, x.shape[-1]).float())
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    module.forward = types.MethodType(forward, module)
+    module.rtts_weights = w  # keeps the converted weights alive with the module
+    if w.fp32 is None or w.fp32.data_ptr() != module.weight.data_ptr():
+        # The module's own fp32 parameter is no longer read: free it.
+        import torch
+
+        module.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)

@@ -1,0 +1,61 @@
+"""Load-time kernel selection for the GPT's linear layers (rtts/engines/kernels.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rtts.engines import kernels  # noqa: E402
+
+
+def _model(seed: int = 0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(),
+                               torch.nn.Linear(512, 256, bias=False))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+def test_selection_measures_every_candidate_and_records_the_fastest(dtype):
+    model, ref = _model(), _model()
+    table = kernels.install(model, dtype, max_rows=4, repeat=1)
+    candidates = kernels._CANDIDATES[dtype]
+    assert set(table.ms) == set(candidates)
+    assert sorted(table.chosen) == [1, 2, 3, 4, kernels.PREFILL_ROWS]
+    for rows, path in table.chosen.items():
+        assert path in candidates
+        assert table.ms[path][rows] == min(table.ms[p][rows] for p in candidates)
+    assert "linear" in candidates  # plain fp32 F.linear is always a candidate, or the path
+    assert table.as_dict()["chosen"] == table.chosen and "chosen" in table.summary()
+    with torch.no_grad():
+        for rows in (1, 3, 4, 9):  # 9 rows: more than the slots, the prefill path
+            x = torch.randn(rows, 256)
+            got, want = model(x), ref(x)
+            cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+            assert got.shape == want.shape and got.dtype == torch.float32
+            assert cos > (0.99999 if dtype == "fp32" else 0.999), (dtype, rows, float(cos))
+
+
+def test_forced_path_is_installed_for_every_row_count_and_frees_fp32_weights():
+    model, ref = _model(), _model()
+    table = kernels.install(model, "bf16", max_rows=2, force="bf16")
+    assert table.ms == {} and set(table.chosen.values()) == {"bf16"}
+    lin = model[0]
+    assert lin.weight.numel() == 0  # the fp32 parameter is no longer kept
+    assert lin.rtts_weights.bf16 is not None and lin.rtts_weights.fp32 is None
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        assert torch.allclose(model(x), ref(x), atol=0.05)
+
+
+def test_batched_input_shapes_are_kept():
+    model = _model()
+    kernels.install(model, "fp32", max_rows=4, repeat=1)
+    with torch.no_grad():
+        assert model(torch.randn(2, 1, 256)).shape == (2, 1, 256)  # a decode step's shape
+        assert model(torch.randn(1, 7, 256)).shape == (1, 7, 256)  # a prefill's
+
+
+def test_unknown_dtype_is_refused():
+    with pytest.raises(ValueError):
+        kernels.install(_model(), "fp8")

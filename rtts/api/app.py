@@ -60,6 +60,11 @@ def build_http_app(service: Service, auth: Authenticator) -> Starlette:
                                  headers=_NO_STORE)
 
     async def static(request: Request) -> Response:
+        allowed = api_methods.get(request.url.path)
+        if allowed is not None:  # an API path asked with another method
+            raise ApiError(405, f"{request.method} is not allowed here; use "
+                                f"{', '.join(sorted(allowed))}", code="method_not_allowed",
+                           headers={"Allow": ", ".join(sorted(allowed))})
         if request.method not in ("GET", "HEAD"):
             return _not_found(request)
         resp = static_file(config.web_dir, request.url.path)
@@ -86,14 +91,16 @@ def build_http_app(service: Service, auth: Authenticator) -> Starlette:
         return api_error_response(ApiError(500, "internal server error", type="server_error",
                                            code="internal_error"))
 
+    api_routes = [*RestEndpoints(service, auth).routes(), *OpenAIEndpoints(service, auth).routes()]
+    api_methods = {r.path: set(r.methods or ()) - {"HEAD"} for r in api_routes
+                   if "{" not in r.path}
     routes = [
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         Route(config.ws_path, stream_without_upgrade),
-        *RestEndpoints(service, auth).routes(),
-        *OpenAIEndpoints(service, auth).routes(),
+        *api_routes,
         Route("/{path:path}", static, methods=["GET", "HEAD", "POST", "PUT", "DELETE",
                                                "PATCH"]),
     ]

@@ -457,6 +457,7 @@ async def test_native_encoded_formats_frame_a_decodable_stream_per_segment(fmt, 
 
 async def test_native_mulaw_is_8khz_one_byte_a_sample():
     async with server() as (app, url), client(url) as c:
+        assert "mulaw" in c.of_kind("ready")[0]["formats"]
         await c.send(type="start", context_id="a", format="mulaw")
         await c.send(type="text", context_id="a", text="Phone bridge audio.")
         await c.send(type="end", context_id="a")

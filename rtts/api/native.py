@@ -50,7 +50,13 @@ from ..errors import (
 from ..governor import Level
 from ..http import respond
 from ..pacing import LeadPacer
-from ..protocol import FrameHeader, StartMessage, pack_frame, parse_client_message
+from ..protocol import (
+    SUPPORTED_FORMATS,
+    FrameHeader,
+    StartMessage,
+    pack_frame,
+    parse_client_message,
+)
 from ..segmenter import Chunk
 from ..session import (
     Action,
@@ -189,7 +195,8 @@ class Connection:
         try:
             await self.send(0, self.session.hello(
                 engine=self.app.engine.name, sample_rate=self.app.engine.sample_rate,
-                degraded=self.app.degraded, instance=self.cfg.instance_id).event)
+                degraded=self.app.degraded, instance=self.cfg.instance_id,
+                formats=list(SUPPORTED_FORMATS)).event)
             await self._reader()
         except ConnectionClosed:
             pass

@@ -422,7 +422,10 @@ class ContextPipeline:
                     # only: audio prefetched before its segment's turn is ahead of playback
                     # by design.
                     live = event.produced_at if event.produced_at >= segment.play_start else 0.0
-                    await segment.audio(event.samples, live)
+                    if segment.encoder is None:
+                        await segment.pcm(segment.resampler.process(event.samples), live)
+                    else:
+                        await segment.encoded(event.samples, live)
                 elif isinstance(event, SegmentStarted):
                     if event.index and event.ready:
                         # A segment boundary with the next audio already made (prefetched
@@ -473,50 +476,58 @@ class _SegmentOut:
         self.seq = 0
         self.total = 0  # samples at the context's rate
 
-    async def audio(self, samples: np.ndarray, produced_at: float) -> None:
-        if self.encoder is None:
-            await self._pcm(self.resampler.process(samples), produced_at)
-        else:
-            await self._encoded(samples, produced_at)
-
     async def end(self) -> None:
         if self.encoder is None:
-            await self._pcm(self.resampler.flush(), 0.0)
+            await self.pcm(self.resampler.flush(), 0.0)
         else:
-            await self._encoded(None, 0.0)
+            await self.encoded(None, 0.0)
 
-    async def _send(self, payload: bytes, produced_at: float, seconds: float) -> None:
+    # The two senders below inline the frame send (one coroutine per engine chunk, as before
+    # the core split): this is the hot path of every live frame.
+
+    async def pcm(self, samples: np.ndarray, produced_at: float) -> None:
         p = self.p
-        wait = p.pacer.delay(time.monotonic())
-        if wait > 0:
-            await asyncio.sleep(wait)
-            if produced_at:  # pacing is not latency: count from the end of the wait
-                produced_at = time.monotonic()
-        header = FrameHeader(p.ctx.stream, self.index, self.seq)
-        await p.conn.send(p.ctx.stream, pack_frame(header, payload), produced_at)
-        self.seq += 1
-        p.pacer.sent(seconds, time.monotonic())
-        if not p.first_audio_sent:
-            p.first_audio_sent = True
-            p.app.stats.ttfa_s.append(time.monotonic() - self.submitted_at)
-
-    async def _pcm(self, samples: np.ndarray, produced_at: float) -> None:
-        rate = self.p.ctx.sample_rate
+        conn, ctx, pacer = p.conn, p.ctx, p.pacer
+        rate = ctx.sample_rate
         for i in range(0, len(samples), self.frame_len):
             piece = samples[i:i + self.frame_len]
-            await self._send(float_to_pcm16(piece), produced_at, len(piece) / rate)
+            wait = pacer.delay(time.monotonic())
+            if wait > 0:
+                await asyncio.sleep(wait)
+                if produced_at:  # pacing is not latency: count from the end of the wait
+                    produced_at = time.monotonic()
+            header = FrameHeader(ctx.stream, self.index, self.seq)
+            await conn.send(ctx.stream, pack_frame(header, float_to_pcm16(piece)), produced_at)
+            self.seq += 1
             self.total += len(piece)
+            pacer.sent(len(piece) / rate, time.monotonic())
+            if not p.first_audio_sent:
+                p.first_audio_sent = True
+                p.app.stats.ttfa_s.append(time.monotonic() - self.submitted_at)
 
-    async def _encoded(self, samples: np.ndarray | None, produced_at: float) -> None:
+    async def encoded(self, samples: np.ndarray | None, produced_at: float) -> None:
         """One frame of whatever the encoder made of this audio (None: its tail)."""
+        p = self.p
         encoder = self.encoder
         assert encoder is not None
         before = encoder.samples
         data = encoder.finish() if samples is None else encoder.encode(samples)
         n = encoder.samples - before
         self.total += n
-        if data:
-            await self._send(data, produced_at, n / self.p.ctx.sample_rate)
+        if not data:
+            return
+        wait = p.pacer.delay(time.monotonic())
+        if wait > 0:
+            await asyncio.sleep(wait)
+            if produced_at:
+                produced_at = time.monotonic()
+        header = FrameHeader(p.ctx.stream, self.index, self.seq)
+        await p.conn.send(p.ctx.stream, pack_frame(header, data), produced_at)
+        self.seq += 1
+        p.pacer.sent(n / p.ctx.sample_rate, time.monotonic())
+        if not p.first_audio_sent:
+            p.first_audio_sent = True
+            p.app.stats.ttfa_s.append(time.monotonic() - self.submitted_at)
 
 
 def _peek_context(message: str) -> str | None:

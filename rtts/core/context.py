@@ -86,7 +86,9 @@ class SpeechContext:
         self.service = service
         self.params = params
         self.sample_rate = service.engine.sample_rate
-        self.segmenter = Segmenter(schedule, max_chunk_chars)
+        self._schedule = schedule
+        self._max_chunk_chars = max_chunk_chars
+        self._segmenter: Segmenter | None = None  # made on first feed (add_segment needs none)
         self.lookahead = max(1, lookahead)
         self.use_cache = use_cache
         self._pending: deque[tuple[int, Chunk]] = deque()
@@ -102,11 +104,14 @@ class SpeechContext:
 
     def feed(self, text: str) -> None:
         """More input text (any size piece); complete segments are queued at once."""
-        self._queue(self.segmenter.push(text))
+        if self._segmenter is None:
+            self._segmenter = Segmenter(self._schedule, self._max_chunk_chars)
+        self._queue(self._segmenter.push(text))
 
     def flush(self) -> None:
         """Queue whatever is buffered, without waiting for punctuation."""
-        self._queue(self.segmenter.flush())
+        if self._segmenter is not None:
+            self._queue(self._segmenter.flush())
 
     def end(self) -> None:
         """No more text: the events end with :class:`Done` after the last segment."""

@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="run the WebSocket server")
+    s = sub.add_parser("serve", help="run the server (WebSocket and HTTP on one port)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8765)
     s.add_argument("--engine", choices=["chattts", "fake"], default="chattts")
@@ -159,8 +159,9 @@ async def serve_until_signalled(config: ServerConfig) -> int:
         if app.state == "failed":
             logger.error("not serving: %s", app.state_reason)
             return 1
-        logger.info("listening on ws://%s:%d%s (demo page http://%s:%d/)", config.host,
-                    config.port, config.ws_path, config.host, config.port)
+        logger.info("listening on ws://%s:%d%s (demo page http://%s:%d/, OpenAI-compatible "
+                    "base URL http://%s:%d/v1)", config.host, config.port, config.ws_path,
+                    config.host, config.port, config.host, config.port)
         await stop.wait()
         logger.info("signal received: draining")
     return 0

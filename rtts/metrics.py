@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import psutil
 
-if TYPE_CHECKING:
-    from .server import App
+from .core.service import Service
 
 __all__ = ["render_metrics"]
 
@@ -32,16 +30,17 @@ def _histogram(name: str, counts: Counter[int], bounds: tuple[int, ...]) -> list
     return lines
 
 
-def render_metrics(app: App) -> str:
+def render_metrics(app: Service) -> str:
     s, sch, cs = app.stats, app.scheduler, app.cache.stats
     ttfa = list(s.ttfa_s)
     lat = list(s.frame_latency_s)
     audio_gen = sch.audio_samples / app.engine.sample_rate
     lines = [
         "# TYPE rtts_up gauge", f"rtts_up{{state=\"{app.state}\"}} 1",
-        "# TYPE rtts_active_connections gauge", f"rtts_active_connections {len(app.connections)}",
+        "# TYPE rtts_active_connections gauge",
+        f"rtts_active_connections {app.active_connections()}",
         "# TYPE rtts_active_contexts gauge",
-        f"rtts_active_contexts {sum(len(c.session.contexts) for c in app.connections)}",
+        f"rtts_active_contexts {app.active_contexts()}",
         "# TYPE rtts_connections_total counter", f"rtts_connections_total {s.connections_total}",
         "# TYPE rtts_contexts_total counter", f"rtts_contexts_total {s.contexts_total}",
         "# TYPE rtts_segments_total counter", f"rtts_segments_total {s.segments_total}",
@@ -75,6 +74,8 @@ def render_metrics(app: App) -> str:
         *(f"rtts_governor_transitions_total{{transition=\"{k}\"}} {v}"
           for k, v in sorted(app.governor.transitions.items())),
         "# TYPE rtts_rejected_total counter", f"rtts_rejected_total {s.rejected}",
+        "# TYPE rtts_http_speech_requests_total counter",
+        f"rtts_http_speech_requests_total {s.http_requests}",
         "# TYPE rtts_frame_latency_seconds summary",
         *(f"rtts_frame_latency_seconds{{quantile=\"{q}\"}} {_quantile(lat, q):.5f}"
           for q in (0.5, 0.95, 0.99)),

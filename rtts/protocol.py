@@ -16,7 +16,8 @@ Client -> server messages are JSON objects in text frames, each with a ``type``:
 
 Server -> client: JSON events (``ready``, ``segment_started``, ``segment_done``, ``flushed``,
 ``done``, ``cancelled``, ``error``) and binary audio frames: a 12-byte little-endian
-header followed by PCM16 mono samples at the context's ``sample_rate``::
+header followed by PCM16 mono samples at the context's ``sample_rate`` (or, for a context
+started with another ``format``, the encoder's bytes: see :mod:`rtts.api.native`)::
 
     u8 version (=1) | u8 flags (0) | u16 stream | u32 segment | u32 sequence | PCM16 LE ...
 
@@ -39,6 +40,7 @@ from .errors import ErrorCode, ProtocolError
 
 __all__ = [
     "DEFAULT_CONTEXT",
+    "FORMAT_RATES",
     "FRAME_HEADER",
     "PROTOCOL_VERSION",
     "SUPPORTED_FORMATS",
@@ -60,7 +62,11 @@ __all__ = [
 PROTOCOL_VERSION: Final = 1
 DEFAULT_CONTEXT: Final = "default"
 SUPPORTED_SAMPLE_RATES: Final = (8000, 16000, 22050, 24000, 44100, 48000)
-SUPPORTED_FORMATS: Final = ("pcm16",)
+# Audio formats of binary frames (rtts.codecs encodes them); some have their own rate.
+SUPPORTED_FORMATS: Final = ("pcm16", "mulaw", "alaw", "wav", "mp3", "opus", "webm", "aac",
+                            "flac")
+FORMAT_RATES: Final[dict[str, tuple[int, ...]]] = {
+    "mulaw": (8000,), "alaw": (8000,), "webm": (48000,), "opus": (8000, 16000, 24000, 48000)}
 FRAME_HEADER: Final = struct.Struct("<BBHII")
 
 _CONTEXT_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
@@ -190,9 +196,12 @@ def _parse_start(obj: dict[str, Any]) -> StartMessage:
     fmt = obj.get("format", "pcm16")
     if fmt not in SUPPORTED_FORMATS:
         raise _bad(f"format must be one of {list(SUPPORTED_FORMATS)}")
-    rate = obj.get("sample_rate", 24000)
+    allowed = FORMAT_RATES.get(fmt, SUPPORTED_SAMPLE_RATES)
+    rate = obj.get("sample_rate", 24000 if 24000 in allowed else allowed[0])
     if rate not in SUPPORTED_SAMPLE_RATES or isinstance(rate, bool):
         raise _bad(f"sample_rate must be one of {list(SUPPORTED_SAMPLE_RATES)}")
+    if rate not in allowed:
+        raise _bad(f"format {fmt} takes sample_rate {' or '.join(map(str, allowed))}")
     schedule = obj.get("chunk_schedule")
     if schedule is not None:
         if (

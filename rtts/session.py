@@ -110,6 +110,7 @@ class ContextState:
     ended: bool = False
     last_text_at: float = 0.0
     cache: bool = True
+    format: str = "pcm16"  # of the binary frames (see rtts.codecs)
     flush_marks: list[int] = field(default_factory=list)  # segment counts awaited by flushes
     normalize: bool = True
     # chunk text -> spoken text, in order (it carries the language of the text so far)
@@ -209,6 +210,7 @@ class Session:
             cache=msg.cache,
             normalize=msg.normalize,
             spoken_text=SpokenText(enabled=msg.normalize),
+            format=msg.format,
         )
         self._next_stream = self._next_stream % 65535 + 1
         self.contexts[ctx.context_id] = ctx

@@ -361,3 +361,37 @@ def test_engine_measured_and_installed_its_linear_kernels(engine):
     assert set(table.chosen.values()) <= {"linear", "transposed"}
     layer = engine.chat.gpt.gpt.layers[0].self_attn.q_proj
     assert hasattr(layer, "rtts_weights")  # the selected forward is installed
+
+
+async def test_numbers_reach_the_gpt_spoken_and_offsets_index_the_input(tiny_checkpoint: Path):
+    """Issue 13 on the real path: what ChatTTS's GPT is given (after ChatTTS's own
+    normalizer, which drops digits) spells the numbers out; the events' offsets still index
+    the text as the client wrote it, even with a number split across text messages."""
+    cfg = replace(base_config(), engine=EngineConfig(source="custom",
+                                                     model_dir=tiny_checkpoint, threads=2))
+    eng = ChatTTSEngine(cfg.engine)
+    prompts: list[str] = []
+    texts = eng._texts
+
+    def spy(batch):
+        out = texts(batch)
+        prompts.extend(out)
+        return out
+
+    eng._texts = spy  # type: ignore[method-assign]
+    written = "Call 911 now! It costs $12.50, about 20% off. 会议在下午3点30分。"
+    async with server(cfg, eng) as (app, url), client(url) as c:
+        await c.send(type="start", context_id="n", seed=3)
+        for piece in ("Call 91", "1 now! It costs $12", ".50, about 2", "0% off. 会议在下午3",
+                      "点30分。"):
+            await c.send(type="text", context_id="n", text=piece)
+        await c.send(type="end", context_id="n")
+        await c.until("done", "n", timeout=60)
+        started = c.got.of("segment_started", "n")
+    said = " ".join(prompts)
+    assert not any(ch.isdigit() for ch in said), said
+    for words in ("nine one one", "twelve dollars", "fifty cents", "twenty percent", "三点"):
+        assert words in said, (words, said)
+    for e in started:
+        assert written[e["text_start"]:e["text_end"]] == e["text"]
+    assert "".join(e["text"] for e in started).replace(" ", "") == written.replace(" ", "")

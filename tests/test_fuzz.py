@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 
 from hypothesis import HealthCheck, given, settings
@@ -161,3 +162,117 @@ def rng_message(r: random.Random) -> dict[str, object]:
         if r.random() < 0.3:
             msg[key] = r.choice([None, -1, 0, 1.5, "x", [], {}, 10**9, "seed:1", 16000])
     return msg
+
+
+HTTP_PATHS = ["/v1/audio/speech", "/v1/tts", "/v1/models", "/v1/audio/voices",
+              "/v1/audio/models", "/v1/models/x", "/v1/formats", "/v1/info", "/v1/token",
+              "/v1/nope", "/healthz", "/metrics", "/", "/../etc/passwd", "/v1/stream"]
+
+
+def http_abuse(r: random.Random) -> tuple[bytes, bool]:
+    """One HTTP/1.1 request, well-formed or not, aimed at the HTTP surfaces."""
+    path = "/v1/audio/speech" if r.random() < 0.5 else r.choice(HTTP_PATHS)
+    kind = r.random()
+    fields = {"model": r.choice(["tts-1", "", None, 7, "x" * 300]),
+              "input": r.choice(["Hi there.", "", None, 5, "y" * 5000, "你好，世界。", "[fail]"]),
+              "voice": r.choice(["alloy", "", None, "nobody", {"id": "ash"}, {"x": 1}, [],
+                                 "seed:3", "seed:99999999999999"]),
+              "response_format": r.choice(["mp3", "pcm", "opus", "wav", "flac", "aac",
+                                           "mulaw", "bogus", None, 3]),
+              "speed": r.choice([1.0, 0.1, 5, "fast", None, True, 4.0, float("nan")]),
+              "stream_format": r.choice(["audio", "sse", "x", None])}
+    body_obj = {k: v for k, v in fields.items() if r.random() < 0.8}
+    if kind < 0.5:
+        try:
+            body = json.dumps(body_obj).encode()
+        except ValueError:
+            body = b"{}"
+    elif kind < 0.65:
+        body = bytes(r.getrandbits(8) for _ in range(r.randint(0, 200)))
+    elif kind < 0.75:
+        body = json.dumps([1, 2, 3]).encode()
+    else:
+        body = b""
+    method = r.choice(["POST", "POST", "GET", "PUT", "DELETE", "OPTIONS", "HEAD", "BREW"])
+    if path == "/v1/audio/speech" and r.random() < 0.8:
+        method = "POST"
+    if r.random() < 0.2:
+        path += "?" + "&".join(f"{k}={r.choice(['1', 'x', '', '%ff', 'Hi%20there.'])}"
+                               for k in ("text", "voice", "seed", "sample_rate", "format"))
+    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    roll = r.random()
+    hangs = False  # the server rightly waits for a body that never comes
+    if roll < 0.1:  # a lying Content-Length
+        head += f"Content-Length: {len(body) + r.randint(1, 50)}\r\n"
+        hangs = True
+    elif roll < 0.2:  # announced chunked, then not chunked
+        head += "Transfer-Encoding: chunked\r\n"
+        hangs = True
+    elif roll < 0.25:
+        head += "X-Big: " + "z" * 20000 + "\r\n"
+    elif roll < 0.3:
+        junk = bytes(r.getrandbits(8) for _ in range(r.randint(1, 300))) + b"\r\n\r\n"
+        return junk, False
+    else:
+        head += f"Content-Length: {len(body)}\r\n"
+    return head.encode() + b"Connection: close\r\n\r\n" + body, hangs
+
+
+async def test_http_fuzz_never_drops_or_500s_and_errors_are_openai_shaped(caplog):
+    engine = FakeEngine(ms_per_char=5)
+    async with server(engine=engine) as (app, url):
+        port = int(url.split(":")[2].split("/")[0])
+        statuses: dict[int, int] = {}
+
+        async def one(seed: int) -> None:
+            r = random.Random(seed)
+            request, hangs = http_abuse(r)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(request)
+                await writer.drain()
+                if hangs or r.random() < 0.1:
+                    await asyncio.sleep(r.random() * 0.2)
+                    return  # hang up without reading (mid-body, or mid-response)
+                async with asyncio.timeout(10):
+                    data = await reader.read(-1)
+            finally:
+                writer.close()
+            if not data:
+                # only requests that are not HTTP at all (or lie about their body) may be
+                # dropped without an answer
+                return
+            status_line, _, rest = data.partition(b"\r\n")
+            assert status_line.startswith(b"HTTP/1.1 "), status_line[:80]
+            status = int(status_line.split()[1])
+            statuses[status] = statuses.get(status, 0) + 1
+            assert status < 500 or status == 503, (request[:200], data[:300])
+            head, _, body = rest.partition(b"\r\n\r\n")
+            path = request.split(b" ")[1] if request.count(b" ") > 1 else b""
+            if (status >= 400 and path.startswith(b"/v1/") and not path.startswith(b"/v1/stream")
+                    and not request.startswith(b"HEAD ")
+                    and b"application/json" in head.lower() and b"chunked" not in head.lower()):
+                err = json.loads(body)["error"]
+                assert set(err) == {"message", "type", "param", "code"} and err["message"]
+
+        for round_ in range(6):
+            await asyncio.gather(*(one(round_ * 1000 + i) for i in range(40)))
+        assert statuses.get(200, 0) > 10 and statuses.get(400, 0) > 10, statuses
+        # still healthy, nothing left running
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert (await reader.read(-1)).startswith(b"HTTP/1.1 200")
+        writer.close()
+        for _ in range(100):
+            if app.scheduler.running_batches == 0 and app.scheduler.queue_depth == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert app.scheduler.running_batches == 0 and app.scheduler.queue_depth == 0
+        async with client(url) as c:
+            await c.send(type="start", context_id="good")
+            await c.send(type="text", context_id="good", text="Still here.")
+            await c.send(type="end", context_id="good")
+            assert (await c.until("done", "good"))["segments"] == 1
+    tracebacks = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert not tracebacks, tracebacks[0].getMessage()
+    print(f"http fuzz statuses: {statuses}")

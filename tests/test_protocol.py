@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from rtts.errors import ErrorCode, ProtocolError
 from rtts.protocol import (
+    SUPPORTED_FORMATS,
     CancelMessage,
     EndMessage,
     FlushMessage,
@@ -69,7 +70,9 @@ def test_defaults_and_default_context():
     ('{"type": "start", "top_K": true}', ErrorCode.INVALID_PARAMS),
     ('{"type": "start", "speed": 10}', ErrorCode.INVALID_PARAMS),
     ('{"type": "start", "sample_rate": 12345}', ErrorCode.INVALID_PARAMS),
-    ('{"type": "start", "format": "mp3"}', ErrorCode.INVALID_PARAMS),
+    ('{"type": "start", "format": "vorbis"}', ErrorCode.INVALID_PARAMS),
+    ('{"type": "start", "format": "mulaw", "sample_rate": 16000}', ErrorCode.INVALID_PARAMS),
+    ('{"type": "start", "format": "opus", "sample_rate": 44100}', ErrorCode.INVALID_PARAMS),
     ('{"type": "start", "voice": ""}', ErrorCode.INVALID_PARAMS),
     ('{"type": "start", "voice": "seed:abc"}', ErrorCode.INVALID_PARAMS),
     ('{"type": "start", "refine": "yes"}', ErrorCode.INVALID_PARAMS),
@@ -128,3 +131,14 @@ def test_structured_fuzz(kind, fields):
     except ProtocolError:
         return
     assert type(msg).__name__.lower().startswith(kind)
+
+
+def test_formats_match_the_codecs_and_take_their_own_rate():
+    from rtts.codecs import CODECS, output_rate
+
+    assert set(SUPPORTED_FORMATS) == set(CODECS)
+    for fmt in SUPPORTED_FORMATS:
+        msg = parse_client_message(json.dumps({"type": "start", "format": fmt}))
+        # the context's sample_rate is the rate the encoder really writes
+        assert msg.sample_rate == output_rate(CODECS[fmt], msg.sample_rate), fmt
+    assert parse_client_message('{"type": "start", "format": "mulaw"}').sample_rate == 8000

@@ -94,7 +94,7 @@ async def test_cancelling_every_row_stops_generation():
 async def test_engine_exception_fails_only_its_batch():
     engine = FakeEngine(ms_per_char=5)
     sched = await started(engine, max_batch_size=1)
-    bad = sched.submit(SynthRequest("please <fail>", SynthParams()))
+    bad = sched.submit(SynthRequest("please [fail]", SynthParams()))
     good = sched.submit(SynthRequest("fine", SynthParams()))
     with pytest.raises(EngineError, match="failed"):
         await collect(bad)
@@ -105,7 +105,7 @@ async def test_engine_exception_fails_only_its_batch():
 async def test_hang_hits_the_timeout_and_frees_the_slot():
     engine = FakeEngine(ms_per_char=5)
     sched = await started(engine, max_batch_size=1, request_timeout_s=0.3)
-    hung = sched.submit(SynthRequest("<hang>", SynthParams()))
+    hung = sched.submit(SynthRequest("[hang]", SynthParams()))
     with pytest.raises(EngineTimeout):
         await collect(hung)
     after = sched.submit(SynthRequest("next", SynthParams()))
@@ -199,7 +199,7 @@ async def test_continuous_engine_failure_retries_rows_without_audio_alone():
     sched = await started(engine, max_batch_size=4, max_wait_ms=10)
     good = sched.submit(SynthRequest("a" * 20, SynthParams()))
     await good.__anext__()
-    bad = sched.submit(SynthRequest("<fail> here", SynthParams()))
+    bad = sched.submit(SynthRequest("[fail] here", SynthParams()))
     with pytest.raises(EngineError):
         await collect(bad)
     with pytest.raises(EngineError):  # it had audio when its batch broke
@@ -212,7 +212,7 @@ async def test_continuous_engine_failure_retries_rows_without_audio_alone():
 async def test_continuous_timeout_counts_per_request_and_spares_the_others():
     engine = FakeEngine(ms_per_char=50, rtf=1.0, continuous=True)
     sched = await started(engine, max_batch_size=4, max_wait_ms=10, request_timeout_s=0.5)
-    hang = sched.submit(SynthRequest("<hang>", SynthParams()))
+    hang = sched.submit(SynthRequest("[hang]", SynthParams()))
     ok = sched.submit(SynthRequest("b" * 6, SynthParams()))  # 0.3 s of audio
     with pytest.raises(EngineTimeout):
         await collect(hang)

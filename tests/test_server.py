@@ -212,7 +212,7 @@ async def test_engine_failure_reports_error_for_that_segment_only():
     async with server() as (app, url), client(url) as c:
         await c.send(type="start", context_id="a")
         await c.send(type="start", context_id="b")
-        await c.send(type="text", context_id="a", text="This one will <fail> now.")
+        await c.send(type="text", context_id="a", text="This one will [fail] now.")
         await c.send(type="text", context_id="b", text="This one is fine.")
         await c.send(type="end", context_id="a")
         await c.send(type="end", context_id="b")
@@ -446,3 +446,45 @@ async def test_segment_started_says_what_is_spoken():
         await c.send(type="start", context_id="c", normalize="yes")
         err = await c.until("error")
         assert err["code"] == "invalid_params"
+
+
+@pytest.mark.parametrize("fmt,codec", [("opus", "opus"), ("mp3", "mp3float"),
+                                       ("wav", "pcm_s16le"), ("webm", "opus")])
+async def test_native_encoded_formats_frame_a_decodable_stream_per_segment(fmt, codec):
+    import io
+
+    import av
+
+    async with server() as (app, url), client(url) as c:
+        await c.send(type="start", context_id="a", format=fmt)
+        await c.send(type="text", context_id="a", text="Hello there. Encoded audio, please.")
+        await c.send(type="end", context_id="a")
+        await c.until("done", "a")
+        seg_done = c.got.of("segment_done", "a")
+        assert len(seg_done) >= 2
+        for e in seg_done:
+            frames = [(h, p) for h, p in c.got.frames if h.segment == e["segment"]]
+            assert [h.sequence for h, _ in frames] == list(range(len(frames)))
+            assert len(frames) == e["frames"]
+            container = av.open(io.BytesIO(b"".join(p for _, p in frames)))
+            assert container.streams.audio[0].codec_context.name == codec
+            decoded = sum(f.samples for f in container.decode(audio=0))
+            rate = container.streams.audio[0].rate
+            assert abs(decoded / rate - e["duration_ms"] / 1000) < 0.08, (decoded, e)
+
+
+async def test_native_mulaw_is_8khz_one_byte_a_sample():
+    async with server() as (app, url), client(url) as c:
+        assert "mulaw" in c.of_kind("ready")[0]["formats"]
+        await c.send(type="start", context_id="a", format="mulaw")
+        await c.send(type="text", context_id="a", text="Phone bridge audio.")
+        await c.send(type="end", context_id="a")
+        await c.until("done", "a")
+        started = c.got.of("segment_started", "a")
+        assert started and all(e["sample_rate"] == 8000 for e in started)
+        samples = sum(e["samples"] for e in c.got.of("segment_done", "a"))
+        audio = b"".join(p for _, p in c.got.frames)
+        assert len(audio) == samples and samples > 8000
+        await c.send(type="start", context_id="b", format="alaw", sample_rate=16000)
+        err = await c.until("error")
+        assert err["code"] == "invalid_params" and "8000" in err["message"]

@@ -4,7 +4,8 @@ It exists so the server, scheduler and client library can be tested and benchmar
 without a model. Each request yields a sine tone whose pitch follows the voice and seed
 and whose length follows the text (``ms_per_char``), in ``chunk_ms`` pieces, after
 ``first_chunk_latency_ms``, at ``rtf`` times real time (0 = as fast as possible).
-Text containing ``"<fail>"`` raises, and ``"<hang>"`` blocks until cancelled, so tests
+Text containing ``"[fail]"`` raises, and ``"[hang]"`` blocks until cancelled (tags in ChatTTS's
+bracket style, which text normalization leaves alone), so tests
 can exercise the error and timeout paths.
 """
 
@@ -92,7 +93,7 @@ class FakeEngine:
             free = slots - len(live)
             new = list(admit(free)) if free > 0 else []
             for r in new:
-                if "<fail>" in r.text:
+                if "[fail]" in r.text:
                     raise RuntimeError("fake engine failure requested by the text")
             if new:
                 self.batches.append(len(live) + len(new))
@@ -108,7 +109,7 @@ class FakeEngine:
                     row.done = True
                     yield r, None
                     continue
-                if "<hang>" in r.text:
+                if "[hang]" in r.text:
                     r.cancelled.wait(0.05)
                     continue
                 n = min(chunk, row.total - row.pos)

@@ -1,0 +1,214 @@
+"""The HTTP app (ASGI, Starlette): routes, CORS, health/ready/metrics, static files, OpenAPI.
+
+Protocol front-ends each live in their own module and only call the core:
+:mod:`rtts.api.native` (``/v1/stream``, WebSocket), :mod:`rtts.api.rest` (``/v1/tts``,
+``/v1/token``, ``/v1/info``, ``/v1/formats``) and :mod:`rtts.api.openai`
+(``/v1/audio/speech``, ``/v1/models``, ``/v1/audio/models``, ``/v1/audio/voices``).
+"""
+
+from __future__ import annotations
+
+import logging
+import mimetypes
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from .. import __version__
+from ..auth import Authenticator
+from ..core.service import Service
+from ..metrics import render_metrics
+from .common import ApiError, api_error_response
+from .openai import MAX_INPUT_CHARS, OPENAI_FORMATS, VOICES, OpenAIEndpoints
+from .rest import RestEndpoints
+
+__all__ = ["build_http_app", "openapi_schema"]
+
+logger = logging.getLogger("rtts.http")
+
+_NO_STORE = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
+
+
+def build_http_app(service: Service, auth: Authenticator) -> Starlette:
+    config = service.config
+    schema = openapi_schema(service)
+
+    async def healthz(request: Request) -> Response:
+        return PlainTextResponse("ok\n", headers=_NO_STORE)
+
+    async def readyz(request: Request) -> Response:
+        ok = service.state == "ready"
+        return PlainTextResponse(f"{service.state_reason}\n", status_code=200 if ok else 503,
+                                 headers=_NO_STORE)
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(render_metrics(service), headers=_NO_STORE,
+                                 media_type="text/plain; version=0.0.4")
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(schema)
+
+    async def stream_without_upgrade(request: Request) -> Response:
+        return PlainTextResponse("this path speaks WebSocket\n", status_code=400,
+                                 headers=_NO_STORE)
+
+    async def static(request: Request) -> Response:
+        allowed = api_methods.get(request.url.path)
+        if allowed is not None:  # an API path asked with another method
+            raise ApiError(405, f"{request.method} is not allowed here; use "
+                                f"{', '.join(sorted(allowed))}", code="method_not_allowed",
+                           headers={"Allow": ", ".join(sorted(allowed))})
+        if request.method not in ("GET", "HEAD"):
+            return _not_found(request)
+        resp = static_file(config.web_dir, request.url.path)
+        return resp or _not_found(request)
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return api_error_response(exc)
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if request.url.path.startswith("/v1/"):
+            kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+            return api_error_response(ApiError(exc.status_code, str(exc.detail), type=kind,
+                                               headers=dict(exc.headers or {})))
+        return PlainTextResponse(f"{exc.detail}\n", status_code=exc.status_code,
+                                 headers=dict(exc.headers or {}))
+
+    async def on_disconnect(request: Request, exc: Exception) -> Response:
+        return Response(status_code=400)  # gone while sending its body: nobody to tell
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return api_error_response(ApiError(500, "internal server error", type="server_error",
+                                           code="internal_error"))
+
+    api_routes = [*RestEndpoints(service, auth).routes(), *OpenAIEndpoints(service, auth).routes()]
+    api_methods = {r.path: set(r.methods or ()) - {"HEAD"} for r in api_routes
+                   if "{" not in r.path}
+    routes = [
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+        Route(config.ws_path, stream_without_upgrade),
+        *api_routes,
+        Route("/{path:path}", static, methods=["GET", "HEAD", "POST", "PUT", "DELETE",
+                                               "PATCH"]),
+    ]
+    origins = list(config.auth.allowed_origins) or ["*"]
+    middleware = [Middleware(
+        CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
+        allow_headers=["*"], expose_headers=["X-Sample-Rate", "Retry-After"], max_age=600)]
+    return Starlette(routes=routes, middleware=middleware, exception_handlers={
+        ApiError: on_api_error, HTTPException: on_http_error, ClientDisconnect: on_disconnect,
+        Exception: on_error})
+
+
+def _not_found(request: Request) -> Response:
+    if request.url.path.startswith("/v1/"):
+        return api_error_response(ApiError(404, f"no such endpoint: {request.url.path}",
+                                           code="not_found"))
+    return PlainTextResponse("not found\n", status_code=404, headers=_NO_STORE)
+
+
+def static_file(web_dir: Path | None, path: str) -> Response | None:
+    """Serve ``path`` from ``web_dir``; None when it is not a file there (no traversal)."""
+    if web_dir is None:
+        return None
+    rel = path.lstrip("/") or "index.html"
+    root = web_dir.resolve()
+    target = (root / rel).resolve()
+    if root not in target.parents and target != root:
+        return None
+    if target.is_dir():
+        target = target / "index.html"
+    if not target.is_file():
+        return None
+    ctype = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
+    if target.suffix in (".js", ".mjs"):
+        ctype = "text/javascript"
+    if ctype.startswith("text/"):
+        ctype += "; charset=utf-8"
+    return Response(target.read_bytes(), media_type=ctype, headers=_NO_STORE)
+
+
+def openapi_schema(service: Service) -> dict[str, Any]:
+    """A hand-written OpenAPI 3.1 description of the HTTP surface."""
+    err = {"$ref": "#/components/schemas/Error"}
+    audio = {"description": "audio, streamed as it is made",
+             "content": {"audio/mpeg": {}, "audio/ogg": {}, "audio/aac": {}, "audio/flac": {},
+                         "audio/wav": {}, "audio/pcm": {}, "text/event-stream": {}}}
+    errors = {str(s): {"description": d, "content": {"application/json": {"schema": err}}}
+              for s, d in ((400, "bad input"), (401, "missing or invalid key"),
+                           (429, "quota or queue full (Retry-After)"),
+                           (503, "not ready or overloaded (Retry-After)"))}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "rtts", "version": __version__,
+                 "description": "Real-time streaming TTS. The native protocol is a WebSocket "
+                                f"on {service.config.ws_path} (see the README)."},
+        "paths": {
+            "/v1/audio/speech": {"post": {
+                "summary": "OpenAI-compatible speech (streamed)",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/SpeechRequest"}}}},
+                "responses": {"200": audio, **errors}}},
+            "/v1/models": {"get": {"summary": "OpenAI model list",
+                                   "responses": {"200": {"description": "models"}}}},
+            "/v1/audio/models": {"get": {"summary": "speech models (Open WebUI)",
+                                         "responses": {"200": {"description": "models"}}}},
+            "/v1/audio/voices": {"get": {"summary": "voices (Open WebUI)",
+                                         "responses": {"200": {"description": "voices"}}}},
+            "/v1/tts": {"get": {"summary": "text in the query, audio out (streamed)",
+                                "parameters": [{"name": n, "in": "query",
+                                                "required": n == "text",
+                                                "schema": {"type": "string"}}
+                                               for n in ("text", "voice", "seed",
+                                                         "sample_rate", "format")],
+                                "responses": {"200": audio, **errors}}},
+            "/v1/formats": {"get": {"summary": "audio formats",
+                                    "responses": {"200": {"description": "formats"}}}},
+            "/v1/token": {"get": {"summary": "short-lived browser token for a key",
+                                  "responses": {"200": {"description": "token"}}}},
+            "/v1/info": {"get": {"summary": "server, engine and state",
+                                 "responses": {"200": {"description": "info"}}}},
+            "/healthz": {"get": {"summary": "liveness",
+                                 "responses": {"200": {"description": "ok"}}}},
+            "/readyz": {"get": {"summary": "readiness (503 while loading or draining)",
+                                "responses": {"200": {"description": "ready"}}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics",
+                                 "responses": {"200": {"description": "metrics"}}}},
+        },
+        "components": {"schemas": {
+            "SpeechRequest": {"type": "object", "required": ["model", "input", "voice"],
+                              "properties": {
+                "model": {"type": "string"},
+                "input": {"type": "string", "maxLength": MAX_INPUT_CHARS},
+                "voice": {"oneOf": [{"type": "string", "enum": list(VOICES)},
+                                    {"type": "string", "pattern": "^seed:[0-9]+$"},
+                                    {"type": "object", "properties": {
+                                        "id": {"type": "string"}}}]},
+                "response_format": {"type": "string", "default": "mp3",
+                                    "enum": [*OPENAI_FORMATS, "mulaw", "alaw", "webm"]},
+                "speed": {"type": "number", "minimum": 0.25, "maximum": 4.0, "default": 1.0},
+                "instructions": {"type": "string",
+                                 "description": "accepted and ignored (ChatTTS has no style "
+                                                "prompt)"},
+                "stream_format": {"type": "string", "enum": ["audio", "sse"],
+                                  "default": "audio"}}},
+            "Error": {"type": "object", "properties": {"error": {"type": "object",
+                      "properties": {"message": {"type": "string"},
+                                     "type": {"type": "string"},
+                                     "param": {"type": ["string", "null"]},
+                                     "code": {"type": ["string", "null"]}}}}},
+        }},
+    }

@@ -1,0 +1,190 @@
+"""What the HTTP front-ends share: OpenAI-shaped errors, auth, and streaming a context.
+
+Every new HTTP surface answers bad input with the OpenAI error shape
+``{"error": {"message", "type", "param", "code"}}`` and a 4xx/5xx status, so the clients
+people already run (the ``openai`` SDK, Open WebUI, pipecat) show the server's message.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..auth import Authenticator, AuthError
+from ..codecs import Encoder
+from ..core.context import Audio, Done, Event, SegmentFailed, SpeechContext
+from ..core.service import Service
+from ..errors import ErrorCode, RttsError
+
+__all__ = ["ApiError", "HttpContext", "api_error_response", "authorize", "check_ready",
+           "read_body"]
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": {...}}`` with ``status`` (and optional headers)."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def api_error_response(exc: ApiError) -> Response:
+    return Response(orjson.dumps(exc.body()), status_code=exc.status,
+                    media_type="application/json",
+                    headers={"Cache-Control": "no-store", **exc.headers})
+
+
+def overloaded(message: str, status: int = 503) -> ApiError:
+    return ApiError(status, message, type="server_error" if status == 503 else "requests",
+                    code="overloaded" if status == 503 else "rate_limit_exceeded",
+                    headers={"Retry-After": "1"})
+
+
+def check_ready(service: Service) -> None:
+    if service.state != "ready":
+        raise ApiError(503, f"not ready: {service.state_reason}", type="server_error",
+                       code="unavailable", headers={"Retry-After": "1"})
+    try:
+        service.check_admission()
+    except RttsError as exc:
+        raise overloaded(exc.message) from None
+
+
+def authorize(auth: Authenticator, service: Service, request: Request, *,
+              admit: bool = True) -> str:
+    """Check origin, key (``Authorization: Bearer`` or ``?token=``) and, with ``admit``, the
+    per-key quota; returns the key id, to :meth:`Authenticator.release` (after an admit)
+    when the response ends."""
+    try:
+        auth.check_origin(request.headers.get("origin"))
+        kid = auth.identify(request.headers.get("authorization"),
+                            request.query_params.get("token"), time.time())
+        if admit:
+            auth.admit(kid, time.monotonic())
+    except AuthError as exc:
+        service.stats.auth_rejected += 1
+        if exc.status == 401:
+            raise ApiError(401, exc.reason, code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"}) from None
+        if exc.status == 429:
+            raise ApiError(429, exc.reason, type="requests", code="rate_limit_exceeded",
+                           headers={"Retry-After": "10"}) from None
+        raise ApiError(exc.status, exc.reason, code="forbidden") from None
+    return kid
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 :class:`ApiError` past ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body larger than {limit} bytes", code="body_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"request body larger than {limit} bytes",
+                           code="body_too_large")
+    return bytes(body)
+
+
+def segment_error(exc: RttsError) -> ApiError:
+    if exc.code == ErrorCode.OVERLOADED:
+        return overloaded(exc.message, 429)
+    return ApiError(500, exc.message, type="server_error", code=str(exc.code))
+
+
+class HttpContext:
+    """A context whose audio leaves as one HTTP body, encoded as it is made.
+
+    :meth:`start` waits for the first audio (or the first failure) so that an error can
+    still be answered with a status; :meth:`chunks` then yields encoded bytes as segments
+    arrive. The context is cancelled if the client goes away.
+    """
+
+    def __init__(self, ctx: SpeechContext, encoder: Encoder, release: Callable[[], None]
+                 ) -> None:
+        self.ctx = ctx
+        self.encoder = encoder
+        self._events = ctx.events()
+        self._first: list[Event] = []
+        self._release = release
+        self.done: Done | None = None
+        self.error: RttsError | None = None
+
+    async def start(self) -> None:
+        """Read events up to the first audio; raise :class:`ApiError` if none comes."""
+        try:
+            async for event in self._events:
+                self._first.append(event)
+                if isinstance(event, Audio):
+                    return
+                if isinstance(event, SegmentFailed):
+                    raise segment_error(event.error)
+                if isinstance(event, Done):
+                    return
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        self.ctx.cancel()
+        with contextlib.suppress(Exception):
+            await self._events.aclose()
+        self._release()
+        self._release = _nothing
+
+    async def _all(self) -> AsyncIterator[Event]:
+        for event in self._first:
+            yield event
+        self._first.clear()
+        async for event in self._events:
+            yield event
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Encoded audio as it is made; the encoder's tail at the end."""
+        try:
+            async for event in self._all():
+                if isinstance(event, Audio):
+                    data = self.encoder.encode(event.samples)
+                    if data:
+                        yield data
+                elif isinstance(event, SegmentFailed):
+                    self.error = event.error  # the status is sent: end the body early
+                    break
+                elif isinstance(event, Done):
+                    self.done = event
+            tail = self.encoder.finish()
+            if tail:
+                yield tail
+        finally:
+            await self.aclose()
+
+
+def _nothing() -> None:
+    return None
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()

@@ -1,0 +1,215 @@
+"""OpenAI-compatible speech: ``POST /v1/audio/speech``, ``GET /v1/models``,
+``GET /v1/audio/models``, ``GET /v1/audio/voices``.
+
+Request fields as OpenAI documents them: ``model`` (any id; see :data:`MODELS`),
+``input`` (1-4096 characters), ``voice`` (a name or ``{"id": ...}``), ``response_format``
+(``mp3`` default, ``opus`` (Ogg), ``aac``, ``flac``, ``wav``, ``pcm`` = raw s16le 24 kHz
+mono; rtts also takes ``mulaw``, ``alaw`` and ``webm``), ``speed`` (0.25-4.0, mapped onto
+ChatTTS's ``[speed_0]``..``[speed_9]``), ``instructions`` (accepted and ignored: ChatTTS
+has no style prompt), ``stream_format`` (``audio``: the body is the audio file, streamed;
+``sse``: ``speech.audio.delta`` events with base64 audio, then ``speech.audio.done``).
+
+The body streams: the response starts when the first segment's first audio exists, and
+each later piece is encoded and sent as the engine makes it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Final
+
+import orjson
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..auth import Authenticator
+from ..codecs import codec_for, open_encoder
+from ..core.service import Service
+from ..errors import ProtocolError
+from ..protocol import SynthParams
+from .common import ApiError, HttpContext, authorize, b64, check_ready, read_body, sse
+
+__all__ = ["MAX_INPUT_CHARS", "MODELS", "VOICES", "OpenAIEndpoints", "chattts_speed",
+           "resolve_voice"]
+
+MAX_INPUT_CHARS: Final = 4096
+# Any model id is accepted (clients hard-code these); all of them are this server's engine.
+MODELS: Final = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "rtts")
+# OpenAI's voice names -> the ChatTTS speaker drawn from a fixed seed (``seed:N``).
+VOICES: Final[dict[str, int]] = {
+    "alloy": 2, "ash": 3, "ballad": 5, "coral": 7, "echo": 11, "fable": 13, "nova": 17,
+    "onyx": 19, "sage": 23, "shimmer": 29, "verse": 31, "marin": 37, "cedar": 41,
+}
+OPENAI_FORMATS: Final = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+EXTRA_FORMATS: Final = ("mulaw", "alaw", "webm", "pcm16")
+PCM_RATE: Final = 24000
+
+
+def chattts_speed(speed: float) -> int:
+    """OpenAI's speed factor (0.25-4.0, 1.0 normal) -> ChatTTS speed 0-9 (5 normal),
+    two and a half steps per doubling."""
+    return max(0, min(9, round(5 + 2.5 * math.log2(speed))))
+
+
+def resolve_voice(voice: Any, service: Service) -> str:
+    """An OpenAI voice value -> the rtts ``voice`` string, or :class:`ApiError`."""
+    if isinstance(voice, dict):
+        voice = voice.get("id")
+    if not isinstance(voice, str) or not voice:
+        raise ApiError(400, "voice must be a voice name or {\"id\": name}", param="voice",
+                       code="invalid_value")
+    name = voice.strip().lower()
+    if name in VOICES:
+        return f"seed:{VOICES[name]}"
+    if name.startswith("seed:") and name[5:].isdigit() and len(name) <= 15:
+        return name
+    if len(voice) >= 64:  # a ChatTTS speaker embedding string
+        try:
+            service.validate_params(SynthParams(voice=voice))
+        except ProtocolError as exc:
+            raise ApiError(400, exc.message, param="voice", code="invalid_value") from None
+        return voice
+    raise ApiError(400, f"unknown voice {voice[:64]!r}; use one of {', '.join(VOICES)} "
+                        "or seed:N", param="voice", code="invalid_value")
+
+
+def _bad(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def parse_speech_request(body: Any, service: Service) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object", None, "invalid_json")
+    for name in ("model", "input", "voice"):
+        if body.get(name) is None:
+            raise _bad(f"missing required parameter: '{name}'", name, "missing_required_parameter")
+    model = body["model"]
+    if not isinstance(model, str) or not model.strip():
+        raise _bad("model must be a non-empty string", "model")
+    text = body["input"]
+    if not isinstance(text, str):
+        raise _bad("input must be a string", "input")
+    if not text.strip():
+        raise _bad("input must not be empty", "input")
+    if len(text) > MAX_INPUT_CHARS:
+        raise _bad(f"input is {len(text)} characters; at most {MAX_INPUT_CHARS} are allowed",
+                   "input", "string_above_max_length")
+    voice = resolve_voice(body["voice"], service)
+    fmt = body.get("response_format") or "mp3"
+    if not isinstance(fmt, str) or fmt not in OPENAI_FORMATS + EXTRA_FORMATS:
+        raise _bad(f"response_format must be one of {', '.join(OPENAI_FORMATS)} "
+                   f"(or {', '.join(EXTRA_FORMATS)})", "response_format")
+    speed = body.get("speed", 1.0)
+    if speed is None:
+        speed = 1.0
+    if isinstance(speed, bool) or not isinstance(speed, int | float) or not (
+            0.25 <= speed <= 4.0):
+        raise _bad("speed must be a number from 0.25 to 4.0", "speed")
+    instructions = body.get("instructions")
+    if instructions is not None and (not isinstance(instructions, str)
+                                     or len(instructions) > MAX_INPUT_CHARS):
+        raise _bad(f"instructions must be a string of at most {MAX_INPUT_CHARS} characters",
+                   "instructions")
+    stream_format = body.get("stream_format") or "audio"
+    if stream_format not in ("audio", "sse"):
+        raise _bad("stream_format must be 'audio' or 'sse'", "stream_format")
+    return {"input": text, "voice": voice, "format": fmt, "speed": chattts_speed(float(speed)),
+            "stream_format": stream_format}
+
+
+class OpenAIEndpoints:
+    def __init__(self, service: Service, auth: Authenticator) -> None:
+        self.service = service
+        self.auth = auth
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/audio/speech", self.speech, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/v1/audio/models", self.audio_models, methods=["GET"]),
+            Route("/v1/audio/voices", self.voices, methods=["GET"]),
+        ]
+
+    async def models(self, request: Request) -> Response:
+        self._auth_only(request)
+        return JSONResponse({"object": "list", "data": [_model(m) for m in MODELS]})
+
+    async def model(self, request: Request) -> Response:
+        self._auth_only(request)
+        name = request.path_params["model"]
+        if name not in MODELS:
+            raise ApiError(404, f"the model {name!r} does not exist", param="model",
+                           code="model_not_found")
+        return JSONResponse(_model(name))
+
+    async def audio_models(self, request: Request) -> Response:
+        self._auth_only(request)
+        return JSONResponse({"models": [{"id": m} for m in MODELS]})
+
+    async def voices(self, request: Request) -> Response:
+        self._auth_only(request)
+        return JSONResponse({"voices": [{"id": v, "name": v} for v in VOICES]})
+
+    def _auth_only(self, request: Request) -> None:
+        if self.auth.enabled:
+            authorize(self.auth, self.service, request, admit=False)
+
+    async def speech(self, request: Request) -> Response:
+        service = self.service
+        kid = authorize(self.auth, service, request)
+        try:
+            raw = await read_body(request, service.config.max_message_bytes)
+            try:
+                body = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                raise _bad("the request body is not valid JSON", None, "invalid_json") from None
+            req = parse_speech_request(body, service)
+            check_ready(service)
+            params = SynthParams(voice=req["voice"], speed=req["speed"])
+            service.validate_params(params)
+            ctx = service.open_context(
+                params, max_chunk_chars=service.config.limits.default_max_chunk_chars,
+                lookahead=service.config.lookahead_segments)
+            service.stats.http_requests += 1
+            ctx.feed(req["input"])
+            ctx.end()
+            codec = codec_for(req["format"])
+            assert codec is not None
+            encoder = open_encoder(req["format"], service.engine.sample_rate, PCM_RATE)
+        except BaseException:
+            self.auth.release(kid)
+            raise
+        stream = HttpContext(ctx, encoder, lambda: self.auth.release(kid))
+        await stream.start()
+        if req["stream_format"] == "sse":
+            return StreamingResponse(_sse(stream, len(req["input"])),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-store"},
+                                     background=BackgroundTask(stream.aclose))
+        return StreamingResponse(stream.chunks(), media_type=codec.media_type,
+                                 headers={"Cache-Control": "no-store"},
+                                     background=BackgroundTask(stream.aclose))
+
+
+async def _sse(stream: HttpContext, input_chars: int) -> Any:
+    audio_bytes = 0
+    async for data in stream.chunks():
+        audio_bytes += len(data)
+        yield sse({"type": "speech.audio.delta", "audio": b64(data)})
+    if stream.error is not None:
+        yield sse({"type": "error", "error": {"message": stream.error.message,
+                                              "type": "server_error", "param": None,
+                                              "code": str(stream.error.code)}})
+        return
+    samples = stream.done.samples if stream.done is not None else 0
+    output_tokens = round(samples / stream.ctx.sample_rate * 50)  # one per 20 ms of audio
+    yield sse({"type": "speech.audio.done",
+               "usage": {"input_tokens": input_chars, "output_tokens": output_tokens,
+                         "total_tokens": input_chars + output_tokens}})
+
+
+def _model(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "rtts"}

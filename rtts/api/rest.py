@@ -1,0 +1,115 @@
+"""rtts's own REST endpoints: ``/v1/tts``, ``/v1/token``, ``/v1/info``, ``/v1/formats``.
+
+``GET /v1/tts?text=...&voice=...&seed=...&sample_rate=...&format=wav`` streams the audio of
+``text`` (1-5000 characters) in any :mod:`rtts.codecs` format (``wav`` by default, with a
+streaming header), through the same core context as every other protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Final
+
+import orjson
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..auth import Authenticator
+from ..codecs import CODECS, Codec, codec_for, open_encoder, output_rate
+from ..core.service import Service
+from ..errors import ProtocolError
+from ..protocol import StartMessage, parse_client_message
+from .common import ApiError, HttpContext, authorize, check_ready
+
+__all__ = ["RestEndpoints"]
+
+MAX_TTS_CHARS: Final = 5000
+
+
+class RestEndpoints:
+    def __init__(self, service: Service, auth: Authenticator) -> None:
+        self.service = service
+        self.auth = auth
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/tts", self.tts, methods=["GET"]),
+            Route("/v1/token", self.token, methods=["GET", "POST"]),
+            Route("/v1/info", self.info, methods=["GET"]),
+            Route("/v1/formats", self.formats, methods=["GET"]),
+        ]
+
+    async def info(self, request: Request) -> Response:
+        return JSONResponse(self.service.info())
+
+    async def formats(self, request: Request) -> Response:
+        return JSONResponse({"formats": [
+            {"id": c.name, "media_type": c.media_type, "sample_rate": c.fixed_rate}
+            for c in CODECS.values()]})
+
+    def _parse_tts(self, request: Request) -> tuple[StartMessage, Codec, str]:
+        query = request.query_params
+        text = query.get("text") or ""
+        if not text.strip() or len(text) > MAX_TTS_CHARS:
+            raise ApiError(400, f"text must be 1-{MAX_TTS_CHARS} characters", param="text")
+        fmt = query.get("format") or "wav"
+        codec = codec_for(fmt)
+        if codec is None:
+            raise ApiError(400, f"format must be one of {', '.join(CODECS)}", param="format")
+        start: dict[str, Any] = {"type": "start"}
+        for key, value in query.items():
+            if key == "voice":
+                start[key] = value
+            elif key in ("seed", "top_K", "speed", "sample_rate"):
+                with contextlib.suppress(ValueError):
+                    start[key] = int(value)
+            elif key in ("temperature", "top_P"):
+                with contextlib.suppress(ValueError):
+                    start[key] = float(value)
+        try:
+            msg = parse_client_message(orjson.dumps(start))
+            assert isinstance(msg, StartMessage)
+            self.service.validate_params(msg.params)
+        except ProtocolError as exc:
+            raise ApiError(400, exc.message, code=str(exc.code)) from None
+        return msg, codec, text
+
+    async def token(self, request: Request) -> Response:
+        """``GET /v1/token`` with ``Authorization: Bearer <key>``: a short-lived browser token."""
+        if not self.auth.enabled:
+            return PlainTextResponse("auth is off: no token needed\n", status_code=404)
+        kid = self.auth.key_from_header(request.headers.get("authorization"))
+        if kid is None:
+            return PlainTextResponse("missing or invalid API key\n", status_code=401,
+                                     headers={"WWW-Authenticate": "Bearer"})
+        body = {"token": self.auth.issue_token(kid, time.time()),
+                "expires_in": self.auth.config.token_ttl_s}
+        return Response(orjson.dumps(body), media_type="application/json",
+                        headers={"Cache-Control": "no-store"})
+
+    async def tts(self, request: Request) -> Response:
+        service = self.service
+        kid = authorize(self.auth, service, request)
+        try:
+            msg, codec, text = self._parse_tts(request)
+            check_ready(service)
+            ctx = service.open_context(
+                msg.params, max_chunk_chars=service.config.limits.default_max_chunk_chars,
+                lookahead=service.config.lookahead_segments, normalize=msg.normalize)
+            service.stats.http_requests += 1
+            ctx.feed(text)
+            ctx.end()
+            encoder = open_encoder(codec.name, service.engine.sample_rate, msg.sample_rate)
+        except BaseException:
+            self.auth.release(kid)
+            raise
+        stream = HttpContext(ctx, encoder, lambda: self.auth.release(kid))
+        await stream.start()
+        rate = output_rate(codec, msg.sample_rate)
+        return StreamingResponse(stream.chunks(), media_type=codec.media_type,
+                                 headers={"Cache-Control": "no-store",
+                                          "X-Sample-Rate": str(rate)},
+                                 background=BackgroundTask(stream.aclose))

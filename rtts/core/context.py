@@ -1,0 +1,217 @@
+"""One speech context on the core: feed text, flush, end, cancel; iterate segment events.
+
+The request/response front-ends (REST, OpenAI) use this directly::
+
+    ctx = service.open_context(params)
+    ctx.feed(text)
+    ctx.end()
+    async for event in ctx.events():
+        ...  # SegmentStarted, Audio, SegmentDone / SegmentFailed, then Done
+
+Audio is float32 mono at the engine's sample rate, yielded as soon as the engine (or the
+cache) produces it; up to ``lookahead`` segments are submitted ahead of the one playing.
+Leaving the ``async for`` early (or :meth:`SpeechContext.cancel`) cancels the in-flight
+requests, which frees their batch rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import RttsError
+from ..protocol import SynthParams
+from ..segmenter import DEFAULT_MAX_CHARS, DEFAULT_SCHEDULE, Chunk, Segmenter
+from ..text import SpokenText
+
+if TYPE_CHECKING:
+    from .service import Service, Source
+
+__all__ = ["Audio", "Done", "Event", "SegmentDone", "SegmentFailed", "SegmentStarted",
+           "SpeechContext"]
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentStarted:
+    index: int
+    text: str  # as written (``start``/``end`` index the context's input)
+    start: int  # character offsets of the segment in the context's input
+    end: int
+    cached: bool
+    ready: bool = False  # its audio (or its end) is already here: nothing is late
+    submitted_at: float = 0.0  # monotonic time its request was made (for time to first audio)
+    spoken: str = ""  # what is synthesized for ``text`` (normalized: numbers as words, ...)
+
+
+@dataclass(frozen=True, slots=True)
+class Audio:
+    index: int
+    samples: npt.NDArray[np.float32]  # at the engine's sample rate
+    produced_at: float  # monotonic time the engine produced it (0 for cached audio)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentDone:
+    index: int
+    samples: int  # engine-rate samples in the segment
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentFailed:
+    index: int
+    error: RttsError
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    segments: int
+    samples: int  # engine-rate samples in the whole context
+    failed: int
+
+
+Event = SegmentStarted | Audio | SegmentDone | SegmentFailed | Done
+
+
+class SpeechContext:
+    """Text in, segment events out, on one :class:`~rtts.core.service.Service`."""
+
+    def __init__(self, service: Service, params: SynthParams, *,
+                 schedule: tuple[int, ...] = DEFAULT_SCHEDULE,
+                 max_chunk_chars: int = DEFAULT_MAX_CHARS,
+                 lookahead: int = 2, use_cache: bool = True, normalize: bool = True) -> None:
+        self.service = service
+        self.params = params
+        self.sample_rate = service.engine.sample_rate
+        self._schedule = schedule
+        self._max_chunk_chars = max_chunk_chars
+        self._segmenter: Segmenter | None = None  # made on first feed (add_segment needs none)
+        self.lookahead = max(1, lookahead)
+        self.use_cache = use_cache
+        self._spoken_text = SpokenText(enabled=normalize)  # chunk -> spoken, in order
+        self._pending: deque[tuple[int, Chunk, str]] = deque()
+        self._inflight: deque[tuple[int, Chunk, str, Source | RttsError, str | None]] = deque()
+        self._next_index = 0
+        self._ended = False
+        self._cancelled = False
+        self.finished = False  # Done was yielded
+        self._wakeup = asyncio.Event()
+        service.stats.contexts_total += 1
+
+    # -- input -------------------------------------------------------------------------
+
+    def feed(self, text: str) -> None:
+        """More input text (any size piece); complete segments are queued at once."""
+        if self._segmenter is None:
+            self._segmenter = Segmenter(self._schedule, self._max_chunk_chars)
+        self._queue(self._segmenter.push(text))
+
+    def flush(self) -> None:
+        """Queue whatever is buffered, without waiting for punctuation."""
+        if self._segmenter is not None:
+            self._queue(self._segmenter.flush())
+
+    def end(self) -> None:
+        """No more text: the events end with :class:`Done` after the last segment."""
+        self.flush()
+        self._ended = True
+        self._wakeup.set()
+
+    def add_segment(self, chunk: Chunk, spoken: str | None = None) -> None:
+        """Queue a segment the caller cut itself (the native protocol's session does its own
+        segmentation, timers included, and its own normalization: ``spoken``); its index is
+        the next one."""
+        self._queue([chunk], spoken)
+
+    def cancel(self) -> None:
+        """Stop now: in-flight requests are cancelled and :meth:`events` returns. Counted
+        in ``stats.cancels`` unless the context had finished."""
+        if not self._cancelled and not self.finished:
+            self.service.stats.cancels += 1
+        self.close()
+
+    def close(self) -> None:
+        """Like :meth:`cancel`, for a caller that counts its own cancels (or none)."""
+        self._cancelled = True
+        self._release()
+        self._wakeup.set()
+
+    def _queue(self, chunks: list[Chunk], spoken: str | None = None) -> None:
+        for chunk in chunks:
+            say = spoken if spoken is not None else self._spoken_text(chunk.text)
+            self._pending.append((self._next_index, chunk, say))
+            self._next_index += 1
+        if chunks:
+            self._wakeup.set()
+
+    def _release(self) -> None:
+        for _, _, _, source, _ in self._inflight:
+            if not isinstance(source, RttsError):
+                source.cancel()
+        self._inflight.clear()
+        self._pending.clear()
+
+    # -- output ------------------------------------------------------------------------
+
+    async def _submit_ahead(self) -> None:
+        while self._pending and len(self._inflight) < self.lookahead and not self._cancelled:
+            index, chunk, spoken = self._pending.popleft()
+            # The spoken text is what is synthesized and what the phrase cache is keyed on.
+            source, key = await self.service.open_segment(
+                spoken, self.params, first=index == 0, use_cache=self.use_cache)
+            self._inflight.append((index, chunk, spoken, source, key))
+
+    async def events(self) -> AsyncGenerator[Event, None]:
+        """Segment events in order until :class:`Done` (or the context is cancelled)."""
+        stats = self.service.stats
+        segments = samples_total = failed = 0
+        try:
+            while not self._cancelled:
+                await self._submit_ahead()
+                if not self._inflight:
+                    if self._ended and not self._pending:
+                        self.finished = True
+                        yield Done(segments, samples_total, failed)
+                        return
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                index, chunk, spoken, source, key = self._inflight[0]
+                stats.segments_total += 1
+                segments += 1
+                if isinstance(source, RttsError):
+                    stats.segment_errors += 1
+                    failed += 1
+                    self._inflight.popleft()
+                    yield SegmentFailed(index, source)
+                    continue
+                yield SegmentStarted(index, chunk.text, chunk.start, chunk.end,
+                                     getattr(source, "cached", False), source.ready,
+                                     source.submitted_at, spoken)
+                recorder = self.service.segment_recorder(key)
+                n = 0
+                try:
+                    async for samples in source:
+                        recorder.add(samples)
+                        await self._submit_ahead()
+                        n += len(samples)
+                        yield Audio(index, samples, source.produced_at)
+                except RttsError as exc:
+                    stats.segment_errors += 1
+                    failed += 1
+                    if self._inflight and self._inflight[0][3] is source:
+                        self._inflight.popleft()
+                    yield SegmentFailed(index, exc)
+                    continue
+                recorder.commit(source)
+                if self._inflight and self._inflight[0][3] is source:
+                    self._inflight.popleft()
+                samples_total += n
+                yield SegmentDone(index, n)
+        finally:
+            self._release()

@@ -1,0 +1,255 @@
+"""The synthesis service: engine, scheduler, phrase cache, load governor and counters.
+
+Every protocol front-end (:mod:`rtts.api`) holds one :class:`Service` and asks it for
+audio; none of them talks to the cache or the scheduler itself. The one path from text to
+audio is :meth:`Service.open_segment` (cache hit, else a scheduler request) and
+:meth:`Service.segment_recorder` (store what was made); :class:`~rtts.core.context.SpeechContext`
+builds feed/flush/end/cancel contexts on top of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import psutil
+
+from .. import __version__
+from ..cache import CachedStream, PhraseCache
+from ..config import ServerConfig
+from ..engines import build_engine
+from ..engines.base import Engine, SynthRequest
+from ..errors import ErrorCode, ProtocolError, RttsError
+from ..governor import Governor, GovernorConfig, Level, LoadSignals
+from ..protocol import SynthParams
+from ..scheduler import RequestStream, Scheduler
+from .context import SpeechContext
+
+__all__ = ["SegmentRecorder", "Service", "Source", "Stats"]
+
+logger = logging.getLogger("rtts.core")
+
+Source = RequestStream | CachedStream
+
+
+@dataclass
+class Stats:
+    connections_total: int = 0
+    contexts_total: int = 0
+    segments_total: int = 0
+    segment_errors: int = 0
+    cancels: int = 0
+    protocol_errors: int = 0
+    rejected: int = 0
+    auth_rejected: int = 0
+    frames_sent: int = 0
+    audio_seconds_sent: float = 0.0
+    http_requests: int = 0
+    ttfa_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+    # engine output -> frame handed to the socket, per live frame (server-added latency)
+    frame_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=20000))
+
+
+class SegmentRecorder:
+    """Collects one segment's engine audio and stores it in the phrase cache at the end
+    (unless it was cancelled, failed, or grew past the cache's entry limit)."""
+
+    def __init__(self, service: Service, key: str | None) -> None:
+        self._cache = service.cache
+        self._key = key
+        self._parts: list[npt.NDArray[np.float32]] | None = [] if key is not None else None
+        self._samples = 0
+
+    def add(self, samples: npt.NDArray[np.float32]) -> None:
+        if self._parts is None:
+            return
+        self._samples += len(samples)
+        if self._samples > self._cache.max_entry_samples:
+            self._parts = None  # too long to store
+        else:
+            self._parts.append(samples)
+
+    def commit(self, stream: Source) -> None:
+        if not self._parts or self._key is None:
+            return
+        if isinstance(stream, RequestStream) and stream.request.cancelled.is_set():
+            return
+        self._cache.put(self._key, np.concatenate(self._parts))
+
+
+class Service:
+    """Owns the engine, the scheduler, the cache and the server state (loading/ready/...)."""
+
+    def __init__(self, config: ServerConfig, engine: Engine | None = None,
+                 own_engine: bool = True) -> None:
+        self.config = config
+        self.own_engine = own_engine  # close the engine at shutdown
+        self.engine: Engine = engine or build_engine(config.engine)
+        self.scheduler = Scheduler(self.engine, config.scheduler)
+        self.state = "loading"
+        self.state_reason = "model loading"
+        self.stats = Stats()
+        self.started_at = time.monotonic()
+        self.activity = asyncio.Event()  # set when a context or connection ends (for drain)
+        self.governor = Governor(_scaled_governor(config))
+        self._sampler: asyncio.Task[None] | None = None
+        self._process = psutil.Process()
+        self.cache = PhraseCache(config.cache, self.engine.name, self.engine.sample_rate)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Load and warm up the engine off the event loop; /readyz turns 200 after this."""
+        t0 = time.monotonic()
+        try:
+            await asyncio.to_thread(self.engine.load)
+            self.state_reason = "warming up"
+            await asyncio.to_thread(self.engine.warmup)
+            if self.config.freeze_gc:
+                # Everything alive now (modules, the model) lives as long as the process:
+                # take it out of the collector's sight, before the first client, so full
+                # collections walk only per-session objects.
+                gc.collect()
+                gc.freeze()
+        except Exception as exc:
+            self.state = "failed"
+            self.state_reason = f"model load failed: {type(exc).__name__}: {exc}"
+            logger.exception("engine %s failed to load", self.engine.name)
+            raise
+        await self.start_serving()
+        logger.info("engine %s ready on %s in %.1fs", self.engine.name, self.engine.device,
+                    time.monotonic() - t0)
+
+    async def start_serving(self) -> None:
+        """With a loaded engine: start the scheduler and the governor; /readyz turns 200."""
+        await self.scheduler.start()
+        # Known only once loaded (the weights' identity names the cache namespace).
+        self.cache.engine_id = getattr(self.engine, "identity", self.engine.name)
+        await self.cache.start()
+        self._sampler = asyncio.create_task(self._sample_load(), name="rtts-governor")
+        self.state, self.state_reason = "ready", "ready"
+
+    async def stop_sampling(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+            await asyncio.gather(self._sampler, return_exceptions=True)
+            self._sampler = None
+
+    async def stop_core(self) -> None:
+        """Stop the scheduler and the cache, and close the engine if we own it."""
+        await self.stop_sampling()
+        await self.scheduler.stop()
+        await self.cache.close()
+        if self.own_engine:
+            await asyncio.to_thread(self.engine.close)
+
+    # -- load governor -----------------------------------------------------------------
+
+    @property
+    def degraded(self) -> bool:
+        return self.governor.level >= Level.DEGRADED
+
+    @property
+    def rejecting(self) -> bool:
+        return self.governor.level >= Level.REJECTING
+
+    def load_signals(self) -> LoadSignals:
+        gpu = 0.0
+        if self.engine.device.startswith("cuda"):
+            import torch
+
+            free, total = torch.cuda.mem_get_info()
+            gpu = 1.0 - free / total
+        return LoadSignals(
+            queue_depth=self.scheduler.queue_depth,
+            rss_mb=self._process.memory_info().rss / 2**20,
+            cpu_percent=psutil.cpu_percent(None),
+            gpu_mem_fraction=gpu,
+        )
+
+    async def _sample_load(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.governor.interval_s)
+            before = self.governor.level
+            level = self.governor.update(self.load_signals(), time.monotonic())
+            if level != before:
+                self.apply_level(level)
+
+    def apply_level(self, level: Level) -> None:
+        """Propagate a governor level to the scheduler (front-ends extend this)."""
+        self.scheduler.degraded = level >= Level.DEGRADED
+
+    # -- gauges that front-ends report (metrics reads these) ---------------------------
+
+    def active_connections(self) -> int:
+        return 0
+
+    def active_contexts(self) -> int:
+        return 0
+
+    # -- synthesis ---------------------------------------------------------------------
+
+    def validate_params(self, params: SynthParams) -> None:
+        """Reject params the engine cannot use (e.g. a malformed voice) before queueing."""
+        validate = getattr(self.engine, "validate", None)
+        if validate is not None:
+            try:
+                validate(params)
+            except ValueError as exc:
+                raise ProtocolError(str(exc), code=ErrorCode.INVALID_PARAMS) from None
+
+    def check_admission(self) -> None:
+        """Raise ``Overloaded``-coded :class:`ProtocolError` while the governor rejects."""
+        if self.rejecting:
+            self.stats.rejected += 1
+            raise ProtocolError("server overloaded; retry later", code=ErrorCode.OVERLOADED)
+
+    async def open_segment(self, text: str, params: SynthParams, *, first: bool,
+                           use_cache: bool = True) -> tuple[Source | RttsError, str | None]:
+        """The audio source for one segment: a cache hit, else a scheduler request (or the
+        error submitting it). Returns the cache key to store the result under (None for a
+        hit or when the cache is not used)."""
+        degraded = self.degraded
+        key = self.cache.key(text, params, degraded) if use_cache else None
+        if key is not None and (hit := await self.cache.get(key)) is not None:
+            return CachedStream(hit), None
+        request = SynthRequest(text, params, priority=0 if first else 1, degraded=degraded)
+        try:
+            return self.scheduler.submit(request), key
+        except RttsError as exc:
+            return exc, None
+
+    def segment_recorder(self, key: str | None) -> SegmentRecorder:
+        return SegmentRecorder(self, key)
+
+    def open_context(self, params: SynthParams, **options: Any) -> SpeechContext:
+        """A new :class:`~rtts.core.context.SpeechContext` on this service."""
+        return SpeechContext(self, params, **options)
+
+    def info(self) -> dict[str, Any]:
+        return {"server": "rtts", "version": __version__, "engine": self.engine.name,
+                "device": self.engine.device, "engine_sample_rate": self.engine.sample_rate,
+                "state": self.state, "ws_path": self.config.ws_path,
+                "instance": self.config.instance_id,
+                "cache": {"memory_mb": self.config.cache.memory_mb,
+                          "redis": self.config.cache.redis_url is not None}}
+
+
+def _scaled_governor(config: ServerConfig) -> GovernorConfig:
+    """Queue-depth thresholds are per 4 batch rows: a bigger batch absorbs a deeper queue."""
+    g = config.governor
+    scale = max(1.0, config.scheduler.max_batch_size / 4)
+    return replace(
+        g,
+        degrade_queue_depth=None if g.degrade_queue_depth is None
+        else int(g.degrade_queue_depth * scale),
+        reject_queue_depth=None if g.reject_queue_depth is None
+        else int(g.reject_queue_depth * scale),
+    )

@@ -53,6 +53,8 @@ def render_metrics(app: Service) -> str:
         f"rtts_audio_seconds_sent_total {s.audio_seconds_sent:.3f}",
         "# TYPE rtts_queue_depth gauge", f"rtts_queue_depth {sch.queue_depth}",
         "# TYPE rtts_running_batches gauge", f"rtts_running_batches {sch.running_batches}",
+        "# HELP rtts_batch_joins_total requests that joined a batch already running",
+        "# TYPE rtts_batch_joins_total counter", f"rtts_batch_joins_total {sch.joined}",
         "# TYPE rtts_batch_size histogram",
         *_histogram("rtts_batch_size", sch.batch_sizes, (1, 2, 4, 8, 16, 32, 64)),
         "# TYPE rtts_requests_completed_total counter",

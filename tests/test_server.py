@@ -228,8 +228,11 @@ async def test_health_ready_metrics_info_static_and_wav():
         assert (await aget(app, "/readyz"))[0] == 200
         status, body, _ = await aget(app, "/metrics")
         assert status == 200 and b"rtts_active_connections" in body
+        assert b"rtts_batch_joins_total 0" in body
         status, body, _ = await aget(app, "/v1/info")
-        assert json.loads(body)["engine"] == "fake"
+        info = json.loads(body)
+        assert info["engine"] == "fake" and info["kernels"] is None
+        assert info["batching"]["mode"] == "static"  # the fake is served in fixed batches
         assert (await aget(app, "/nope"))[0] == 404
         assert (await aget(app, "/../pyproject.toml"))[0] == 404
         assert (await aget(app, "/v1/stream"))[0] == 400

@@ -239,7 +239,11 @@ class Service:
                 "state": self.state, "ws_path": self.config.ws_path,
                 "instance": self.config.instance_id,
                 "cache": {"memory_mb": self.config.cache.memory_mb,
-                          "redis": self.config.cache.redis_url is not None}}
+                          "redis": self.config.cache.redis_url is not None},
+                "batching": {"mode": "continuous" if self.scheduler.continuous else "static",
+                             "slots": self.scheduler.slot_limit,
+                             "first_segment_slots": self.scheduler.reserve},
+                "kernels": _kernels(self.engine)}
 
 
 def _scaled_governor(config: ServerConfig) -> GovernorConfig:
@@ -253,3 +257,9 @@ def _scaled_governor(config: ServerConfig) -> GovernorConfig:
         reject_queue_depth=None if g.reject_queue_depth is None
         else int(g.reject_queue_depth * scale),
     )
+
+
+def _kernels(engine: object) -> dict[str, Any] | None:
+    """The GPT linear kernels the engine measured and chose at load, if it has any."""
+    table = getattr(engine, "kernel_table", None)
+    return None if table is None else {"dtype": table.dtype, "chosen": table.chosen}

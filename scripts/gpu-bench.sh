@@ -15,7 +15,8 @@ cd "$(dirname "$0")/.."
 mode=${1:-}
 PYV=${GPU_PYTHON_VERSION:-3.12}
 WHEELS=(chattts==0.2.5 vocos==0.1.0 encodec==0.1.1 vector-quantize-pytorch einx einops
-        pybase16384 websockets orjson soundfile soxr psutil frozendict)
+        pybase16384 websockets orjson soundfile soxr psutil frozendict
+        starlette uvicorn av num2words docopt cn2an proces)
 case "$mode" in
   prepare)
     mkdir -p .whl

@@ -41,6 +41,8 @@ def render_metrics(app: Service) -> str:
         f"rtts_active_connections {app.active_connections()}",
         "# TYPE rtts_active_contexts gauge",
         f"rtts_active_contexts {app.active_contexts()}",
+        "# TYPE rtts_active_http_requests gauge",
+        f"rtts_active_http_requests {app.active_http_requests()}",
         "# TYPE rtts_connections_total counter", f"rtts_connections_total {s.connections_total}",
         "# TYPE rtts_contexts_total counter", f"rtts_contexts_total {s.contexts_total}",
         "# TYPE rtts_segments_total counter", f"rtts_segments_total {s.segments_total}",

@@ -55,6 +55,9 @@ class App(Service):
     def active_contexts(self) -> int:
         return self.native.active_contexts()
 
+    def active_http_requests(self) -> int:
+        return self.http.busy
+
     def apply_level(self, level: Level) -> None:
         """Propagate a governor level to the scheduler, sessions and clients."""
         super().apply_level(level)

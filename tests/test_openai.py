@@ -333,3 +333,30 @@ async def test_disallowed_origin_is_403():
         audio = await good.audio.speech.create(model="tts-1", voice="alloy", input="Hi.",
                                                response_format="aac")
         assert decode(audio.content)[0] == "aac"
+
+
+async def test_metrics_count_streaming_http_requests():
+    async with server(engine=FakeEngine(rtf=1.0)) as (app, _):
+        client = sdk(app)
+        base = f"http://127.0.0.1:{bound_port(app)}"
+
+        def metric(name: str) -> float:
+            with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+                for line in r.read().decode().splitlines():
+                    if line.startswith(name + " "):
+                        return float(line.split()[1])
+            raise AssertionError(f"no {name}")
+
+        active = "rtts_active_http_requests"
+        async with client.audio.speech.with_streaming_response.create(
+                model="tts-1", voice="onyx", input=TEXT, response_format="pcm") as resp:
+            async for _ in resp.iter_bytes():
+                # this speech body and the /metrics request itself
+                assert await asyncio.to_thread(metric, active) == 2
+                break
+        for _ in range(100):
+            if await asyncio.to_thread(metric, active) == 1:  # only the /metrics request
+                break
+            await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(metric, active) == 1
+        assert await asyncio.to_thread(metric, "rtts_http_speech_requests_total") == 1

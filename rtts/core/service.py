@@ -194,6 +194,10 @@ class Service:
     def active_contexts(self) -> int:
         return 0
 
+    def active_http_requests(self) -> int:
+        """HTTP requests being answered (a streamed speech body counts until it ends)."""
+        return 0
+
     # -- synthesis ---------------------------------------------------------------------
 
     def validate_params(self, params: SynthParams) -> None:

@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Redis entry lifetime, s")
     s.add_argument("--instance-id", default=None,
                    help="name of this replica in ready events and /v1/info")
+    s.add_argument("--voices-dir", type=Path, default=None,
+                   help="named voices, one JSON file each; instances may share it "
+                        "(default $RTTS_VOICES_DIR, else $RTTS_HOME/voices or "
+                        "~/.cache/rtts/voices)")
     s.add_argument("--fake-rtf", type=float, default=0.0, help="fake engine: pace (0 = fast)")
 
     m = sub.add_parser("model", help="model utilities")
@@ -130,6 +134,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ),
         limits=replace(base.limits, max_contexts=args.max_contexts),
         instance_id=args.instance_id or base.instance_id,
+        voices_dir=args.voices_dir or base.voices_dir,
         freeze_gc=True,
         cache=replace(base.cache, memory_mb=args.cache_mb, redis_url=args.cache_redis or None,
                       redis_ttl_s=args.cache_ttl),

@@ -13,6 +13,7 @@ from .cache import CacheConfig
 from .governor import GovernorConfig
 from .scheduler import SchedulerConfig
 from .session import SessionLimits
+from .voices import default_voices_dir
 
 __all__ = ["EngineConfig", "ServerConfig", "default_model_dir", "packaged_web_dir"]
 
@@ -81,6 +82,8 @@ class ServerConfig:
     governor: GovernorConfig = field(default_factory=GovernorConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    # named voices (rtts.voices): a directory instances may share; None = built-ins only
+    voices_dir: Path | None = field(default_factory=default_voices_dir)
 
 
 def _instance_id() -> str:

@@ -28,6 +28,7 @@ from ..metrics import render_metrics
 from .common import ApiError, api_error_response
 from .openai import MAX_INPUT_CHARS, OPENAI_FORMATS, VOICES, OpenAIEndpoints
 from .rest import RestEndpoints
+from .voices import VOICES_OPENAPI, VoiceEndpoints
 
 __all__ = ["build_http_app", "openapi_schema"]
 
@@ -91,7 +92,8 @@ def build_http_app(service: Service, auth: Authenticator) -> Starlette:
         return api_error_response(ApiError(500, "internal server error", type="server_error",
                                            code="internal_error"))
 
-    api_routes = [*RestEndpoints(service, auth).routes(), *OpenAIEndpoints(service, auth).routes()]
+    api_routes = [*RestEndpoints(service, auth).routes(), *OpenAIEndpoints(service, auth).routes(),
+                  *VoiceEndpoints(service, auth).routes()]
     api_methods = {r.path: set(r.methods or ()) - {"HEAD"} for r in api_routes
                    if "{" not in r.path}
     routes = [
@@ -106,7 +108,7 @@ def build_http_app(service: Service, auth: Authenticator) -> Starlette:
     ]
     origins = list(config.auth.allowed_origins) or ["*"]
     middleware = [Middleware(
-        CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
+        CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
         allow_headers=["*"], expose_headers=["X-Sample-Rate", "Retry-After"], max_age=600)]
     return Starlette(routes=routes, middleware=middleware, exception_handlers={
         ApiError: on_api_error, HTTPException: on_http_error, ClientDisconnect: on_disconnect,
@@ -175,6 +177,7 @@ def openapi_schema(service: Service) -> dict[str, Any]:
                                                for n in ("text", "voice", "seed",
                                                          "sample_rate", "format")],
                                 "responses": {"200": audio, **errors}}},
+            **VOICES_OPENAPI,
             "/v1/formats": {"get": {"summary": "audio formats",
                                     "responses": {"200": {"description": "formats"}}}},
             "/v1/token": {"get": {"summary": "short-lived browser token for a key",

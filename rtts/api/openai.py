@@ -63,6 +63,8 @@ def resolve_voice(voice: Any, service: Service) -> str:
     name = voice.strip().lower()
     if name in VOICES:
         return f"seed:{VOICES[name]}"
+    if service.voices.get(name) is not None:  # a named voice (rtts.voices): resolved later
+        return name
     if name.startswith("seed:") and name[5:].isdigit() and len(name) <= 15:
         return name
     if len(voice) >= 64:  # a ChatTTS speaker embedding string
@@ -71,8 +73,9 @@ def resolve_voice(voice: Any, service: Service) -> str:
         except ProtocolError as exc:
             raise ApiError(400, exc.message, param="voice", code="invalid_value") from None
         return voice
-    raise ApiError(400, f"unknown voice {voice[:64]!r}; use one of {', '.join(VOICES)} "
-                        "or seed:N", param="voice", code="invalid_value")
+    raise ApiError(400, f"unknown voice {voice[:64]!r}; use one of {', '.join(VOICES)}, "
+                        "a named voice (GET /v1/voices) or seed:N", param="voice",
+                   code="invalid_value")
 
 
 def _bad(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
@@ -151,7 +154,8 @@ class OpenAIEndpoints:
 
     async def voices(self, request: Request) -> Response:
         self._auth_only(request)
-        return JSONResponse({"voices": [{"id": v, "name": v} for v in VOICES]})
+        names = [*VOICES, *(v.name for v in self.service.voices.list())]
+        return JSONResponse({"voices": [{"id": v, "name": v} for v in names]})
 
     def _auth_only(self, request: Request) -> None:
         if self.auth.enabled:

@@ -30,6 +30,7 @@ from ..errors import ErrorCode, ProtocolError, RttsError
 from ..governor import Governor, GovernorConfig, Level, LoadSignals
 from ..protocol import SynthParams
 from ..scheduler import RequestStream, Scheduler
+from ..voices import VoiceStore
 from .context import SpeechContext
 
 __all__ = ["SegmentRecorder", "Service", "Source", "Stats"]
@@ -102,6 +103,7 @@ class Service:
         self._sampler: asyncio.Task[None] | None = None
         self._process = psutil.Process()
         self.cache = PhraseCache(config.cache, self.engine.name, self.engine.sample_rate)
+        self.voices = VoiceStore(config.voices_dir)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -201,7 +203,9 @@ class Service:
     # -- synthesis ---------------------------------------------------------------------
 
     def validate_params(self, params: SynthParams) -> None:
-        """Reject params the engine cannot use (e.g. a malformed voice) before queueing."""
+        """Reject params the engine cannot use (e.g. a malformed voice) before queueing.
+        A named voice is checked as what it resolves to (:meth:`VoiceStore.apply`)."""
+        params = self.voices.apply(params)
         validate = getattr(self.engine, "validate", None)
         if validate is not None:
             try:
@@ -234,8 +238,10 @@ class Service:
         return SegmentRecorder(self, key)
 
     def open_context(self, params: SynthParams, **options: Any) -> SpeechContext:
-        """A new :class:`~rtts.core.context.SpeechContext` on this service."""
-        return SpeechContext(self, params, **options)
+        """A new :class:`~rtts.core.context.SpeechContext` on this service. The one place a
+        named voice resolves (:meth:`VoiceStore.apply`): once per context, so every segment
+        of it uses the same speaker and params (and the cache keys them by the speaker)."""
+        return SpeechContext(self, self.voices.apply(params), **options)
 
     def info(self) -> dict[str, Any]:
         return {"server": "rtts", "version": __version__, "engine": self.engine.name,

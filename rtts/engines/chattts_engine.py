@@ -192,6 +192,8 @@ class ChatTTSEngine:
             if arr.shape != (speaker.dim,):
                 raise ValueError(f"voice embedding has {arr.size} values; this model "
                                  f"needs {speaker.dim}")
+            if not np.isfinite(arr).all():
+                raise ValueError("voice embedding has non-finite values")
             tensor = torch.from_numpy(arr.astype(np.float32))
         with self._voice_lock:
             self._voices[voice] = tensor

@@ -1,0 +1,127 @@
+"""Named voices over HTTP: ``GET /v1/voices``, ``POST /v1/voices``, ``GET`` and
+``DELETE /v1/voices/{name}`` (the registry itself is :mod:`rtts.voices`).
+
+``POST`` takes ``{"name", "seed": N}`` or ``{"name", "speaker": "<ChatTTS speaker string>"}``
+and optional ``"params"`` (``temperature``, ``top_P``, ``top_K``, ``speed``, ``seed``,
+``refine``: defaults for requests using the voice); 201 with the voice, 409 when the name
+exists or is built in, 400 (OpenAI-shaped error body) on bad input. Auth as every other
+API route: a key or token when the server has keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..auth import Authenticator
+from ..core.service import Service
+from ..protocol import SynthParams
+from ..voices import VoiceError
+from .common import ApiError, authorize, read_body
+from .openai import VOICES as OPENAI_VOICES
+
+__all__ = ["VOICES_OPENAPI", "VoiceEndpoints"]
+
+
+class VoiceEndpoints:
+    def __init__(self, service: Service, auth: Authenticator) -> None:
+        self.service = service
+        self.auth = auth
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/voices", self.collection, methods=["GET", "POST"]),
+            Route("/v1/voices/{name}", self.item, methods=["GET", "DELETE"]),
+        ]
+
+    async def collection(self, request: Request) -> Response:
+        return await (self.create(request) if request.method == "POST" else self.list(request))
+
+    async def item(self, request: Request) -> Response:
+        return await (self.delete(request) if request.method == "DELETE" else self.get(request))
+
+    def _auth(self, request: Request) -> None:
+        if self.auth.enabled:
+            authorize(self.auth, self.service, request, admit=False)
+
+    async def list(self, request: Request) -> Response:
+        self._auth(request)
+        return JSONResponse({"voices": [v.describe() for v in self.service.voices.list()]})
+
+    async def get(self, request: Request) -> Response:
+        self._auth(request)
+        name = request.path_params["name"]
+        voice = self.service.voices.get(name)
+        if voice is None:
+            raise ApiError(404, f"no voice named {name[:64]!r}", param="name",
+                           code="voice_not_found")
+        return JSONResponse(voice.describe())
+
+    async def create(self, request: Request) -> Response:
+        self._auth(request)
+        raw = await read_body(request, self.service.config.max_message_bytes)
+        try:
+            body: Any = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise ApiError(400, "the request body is not valid JSON",
+                           code="invalid_json") from None
+        if isinstance(body, dict) and body.get("name") in OPENAI_VOICES:
+            raise ApiError(409, f"{body['name']!r} is a built-in (OpenAI) voice name",
+                           param="name", code="voice_exists")
+        try:
+            voice = self.service.voices.create(body, validate=self._validate_speaker)
+        except VoiceError as exc:
+            raise _api_error(exc) from None
+        return Response(orjson.dumps(voice.describe()), status_code=201,
+                        media_type="application/json",
+                        headers={"Location": f"/v1/voices/{voice.name}"})
+
+    async def delete(self, request: Request) -> Response:
+        self._auth(request)
+        name = request.path_params["name"]
+        if name in OPENAI_VOICES:
+            raise ApiError(403, f"{name!r} is a built-in (OpenAI) voice; it cannot be deleted",
+                           param="name", code="builtin_voice")
+        try:
+            self.service.voices.delete(name)
+        except VoiceError as exc:
+            raise _api_error(exc) from None
+        return Response(status_code=204)
+
+    def _validate_speaker(self, speaker: str) -> None:
+        """The engine's own check (decodable, the model's dimension)."""
+        self.service.validate_params(SynthParams(voice=speaker))
+
+
+def _api_error(exc: VoiceError) -> ApiError:
+    code = {400: "invalid_value", 403: "builtin_voice", 404: "voice_not_found",
+            409: "voice_exists"}.get(exc.status)
+    return ApiError(exc.status, exc.message, param=exc.param, code=code)
+
+
+_ERR: Final = {"description": "error", "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/Error"}}}}
+VOICES_OPENAPI: Final[dict[str, Any]] = {
+    "/v1/voices": {
+        "get": {"summary": "named voices (built-in and stored)",
+                "responses": {"200": {"description": "voices"}}},
+        "post": {"summary": "create a named voice from a seed or a ChatTTS speaker string",
+                 "requestBody": {"required": True, "content": {"application/json": {
+                     "schema": {"type": "object", "required": ["name"], "properties": {
+                         "name": {"type": "string", "pattern": "^[a-z0-9][a-z0-9_-]{0,63}$"},
+                         "seed": {"type": "integer", "minimum": 0},
+                         "speaker": {"type": "string"},
+                         "params": {"type": "object"}}}}}},
+                 "responses": {"201": {"description": "created"}, "400": _ERR,
+                               "409": _ERR}}},
+    "/v1/voices/{name}": {
+        "get": {"summary": "one named voice", "responses": {"200": {"description": "voice"},
+                                                             "404": _ERR}},
+        "delete": {"summary": "delete a stored voice",
+                   "responses": {"204": {"description": "deleted"}, "403": _ERR,
+                                 "404": _ERR}}},
+}

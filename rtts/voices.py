@@ -1,0 +1,357 @@
+"""Named voices: built-ins plus a directory of JSON files, one per voice (no I/O but files).
+
+A named voice is a speaker (a ChatTTS speaker-embedding string, or the speaker drawn from a
+seed, stored as the seed and never as a tensor) plus optional default sampling params.
+Wherever a request carries ``voice`` (the native ``start`` message, ``/v1/tts``, OpenAI's
+``voice``), :meth:`VoiceStore.apply` swaps a registered name for its speaker and fills the
+params the request left at their protocol defaults (see :meth:`VoiceStore.apply`).
+
+The store is a plain directory (``--voices-dir``; ``$RTTS_VOICES_DIR``; by default
+``$RTTS_HOME/voices`` or ``~/.cache/rtts/voices``) that several instances may share (a
+mounted volume): every file is written under a temporary name and then linked into place,
+so a reader never sees half a file and two instances cannot both create one name; reads
+check the file's mtime on every lookup, so a voice created on one instance resolves on
+every other without a restart. The file::
+
+    {"name": "narrator", "speaker": null, "seed": 1234,
+     "params": {"temperature": 0.2, "top_P": 0.7}, "created_at": 1767225600.0}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import lzma
+import math
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+
+from .errors import ProtocolError
+from .protocol import StartMessage, SynthParams, parse_client_message
+
+__all__ = ["BUILTIN_VOICES", "NAME_RE", "PARAM_KEYS", "Voice", "VoiceError", "VoiceStore",
+           "check_name", "check_speaker", "decode_speaker", "default_voices_dir",
+           "parse_params"]
+
+logger = logging.getLogger("rtts.voices")
+
+NAME_RE: Final = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+# Stable built-in names -> the seed their speaker is drawn from (never change a mapping:
+# clients rely on a name sounding the same everywhere). "default" is the engine's default.
+BUILTIN_VOICES: Final[dict[str, int]] = {
+    "default": 2, "calm": 1031, "bright": 4099, "warm": 1597, "deep": 2333, "soft": 8191,
+    "clear": 6007,
+}
+# Params a voice may carry as defaults (the SynthParams fields besides ``voice``).
+PARAM_KEYS: Final = ("seed", "temperature", "top_P", "top_K", "speed", "refine")
+MAX_SPEAKER_CHARS: Final = 8192  # as the protocol's voice limit
+_DEFAULTS: Final = SynthParams()
+
+
+class VoiceError(ValueError):
+    """A rejected voice operation; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Voice:
+    name: str
+    speaker: str | None = None  # a ChatTTS speaker-embedding string ...
+    seed: int | None = None  # ... or the seed its speaker is drawn from
+    params: Mapping[str, Any] = field(default_factory=dict)
+    created_at: float | None = None
+    builtin: bool = False
+
+    @property
+    def voice(self) -> str:
+        """The engine's voice string: the speaker string, or ``seed:N``."""
+        return self.speaker if self.speaker is not None else f"seed:{self.seed}"
+
+    def to_file(self) -> dict[str, Any]:
+        return {"name": self.name, "speaker": self.speaker, "seed": self.seed,
+                "params": dict(self.params), "created_at": self.created_at}
+
+    def describe(self) -> dict[str, Any]:
+        """The public description (``GET /v1/voices``); the speaker string only by length."""
+        out: dict[str, Any] = {"name": self.name, "builtin": self.builtin}
+        if self.seed is not None:
+            out["seed"] = self.seed
+        if self.speaker is not None:
+            out["speaker"] = True
+        if self.params:
+            out["params"] = dict(self.params)
+        if self.created_at is not None:
+            out["created_at"] = self.created_at
+        return out
+
+
+def default_voices_dir() -> Path:
+    """``$RTTS_VOICES_DIR``, else ``voices`` beside the default model dir's parent."""
+    env = os.environ.get("RTTS_VOICES_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("RTTS_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rtts")
+    return Path(base) / "voices"
+
+
+def check_name(name: Any) -> str:
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise VoiceError("name must be 1-64 characters of a-z, 0-9, '_' and '-', starting "
+                         "with a letter or digit", param="name")
+    return name
+
+
+def parse_params(obj: Any) -> dict[str, Any]:
+    """Validate a voice's default params (the protocol's own ranges); only the keys given."""
+    if obj is None:
+        return {}
+    if not isinstance(obj, dict):
+        raise VoiceError("params must be a JSON object", param="params")
+    unknown = sorted(set(obj) - set(PARAM_KEYS))
+    if unknown:
+        raise VoiceError(f"unknown params {', '.join(map(str, unknown))}; allowed: "
+                         f"{', '.join(PARAM_KEYS)}", param="params")
+    try:
+        msg = parse_client_message(orjson.dumps({"type": "start", **obj}))
+    except ProtocolError as exc:
+        raise VoiceError(f"params: {exc.message}", param="params") from None
+    assert isinstance(msg, StartMessage)
+    return {k: getattr(msg.params, k) for k in PARAM_KEYS if k in obj}
+
+
+def decode_speaker(speaker: str) -> npt.NDArray[np.float32] | None:
+    """Decode a ChatTTS speaker string (base16384 of raw-LZMA2 float16, as
+    ``ChatTTS.model.Speaker._decode``); None when pybase16384 is not installed.
+    Raises :class:`VoiceError` when it does not decode or holds non-finite values."""
+    try:
+        import pybase16384 as b14
+    except ImportError:
+        return None
+    try:
+        raw = lzma.decompress(
+            b14.decode_from_string(speaker), format=lzma.FORMAT_RAW,
+            filters=[{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME}])
+        arr = np.frombuffer(raw, dtype=np.float16).astype(np.float32)
+    except Exception:
+        raise VoiceError("speaker is not a ChatTTS speaker embedding string "
+                         "(Chat.sample_random_speaker())", param="speaker") from None
+    if arr.size == 0:
+        raise VoiceError("speaker embedding is empty", param="speaker")
+    if not np.isfinite(arr).all():
+        raise VoiceError("speaker embedding has non-finite values (NaN or infinity)",
+                         param="speaker")
+    return arr
+
+
+def check_speaker(speaker: Any, validate: Callable[[str], None] | None = None) -> str:
+    """A speaker string the engine can use, else :class:`VoiceError` (400). ``validate``
+    is the engine's check (dimension); the decode and finiteness checks are done here."""
+    if not isinstance(speaker, str) or not 0 < len(speaker) <= MAX_SPEAKER_CHARS:
+        raise VoiceError(f"speaker must be a non-empty string of at most {MAX_SPEAKER_CHARS} "
+                         "characters", param="speaker")
+    if speaker.startswith("seed:") or NAME_RE.match(speaker):
+        raise VoiceError("speaker must be a ChatTTS speaker embedding string; give a seed "
+                         "voice as \"seed\": N", param="speaker")
+    decode_speaker(speaker)
+    if validate is not None:
+        try:
+            validate(speaker)
+        except (ValueError, ProtocolError) as exc:
+            message = exc.message if isinstance(exc, ProtocolError) else str(exc)
+            raise VoiceError(f"speaker: {message}", param="speaker") from None
+    return speaker
+
+
+def _check_seed(seed: Any) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 2**31 - 1:
+        raise VoiceError("seed must be an integer from 0 to 2147483647", param="seed")
+    return seed
+
+
+def voice_from_json(obj: Any, name: str | None = None) -> Voice:
+    """Validate a voice object (a file's content, or a create request without I/O)."""
+    if not isinstance(obj, dict):
+        raise VoiceError("a voice must be a JSON object")
+    unknown = sorted(set(obj) - {"name", "speaker", "seed", "params", "created_at"})
+    if unknown:
+        raise VoiceError(f"unknown fields {', '.join(map(str, unknown))}")
+    got = check_name(obj.get("name"))
+    if name is not None and got != name:
+        raise VoiceError(f"the file for {name!r} names {got!r}")
+    speaker, seed = obj.get("speaker"), obj.get("seed")
+    if (speaker is None) == (seed is None):
+        raise VoiceError("give exactly one of seed (an integer) or speaker (a ChatTTS speaker "
+                         "embedding string)", param="seed" if seed is not None else "speaker")
+    created = obj.get("created_at")
+    if created is not None and (isinstance(created, bool) or not isinstance(
+            created, int | float) or not math.isfinite(created)):
+        raise VoiceError("created_at must be a number", param="created_at")
+    return Voice(got, speaker=check_speaker(speaker) if speaker is not None else None,
+                 seed=_check_seed(seed) if seed is not None else None,
+                 params=parse_params(obj.get("params")),
+                 created_at=float(created) if created is not None else None)
+
+
+_BUILTINS: Final = {n: Voice(n, seed=s, builtin=True) for n, s in BUILTIN_VOICES.items()}
+
+
+class VoiceStore:
+    """Built-in voices plus ``directory/<name>.json`` (``directory=None``: built-ins only).
+
+    Thread-safe; every lookup stats the file and re-reads it only when its mtime, size or
+    inode changed, so it sees other instances' creates and deletes at once.
+    """
+
+    def __init__(self, directory: Path | None, reserved: Iterable[str] = ()) -> None:
+        self.directory = directory
+        self.reserved = frozenset(reserved)  # names nobody may create (e.g. OpenAI's)
+        self._cache: dict[str, tuple[tuple[int, int, int], Voice | None]] = {}
+        self._lock = threading.Lock()
+
+    def _path(self, name: str) -> Path:
+        assert self.directory is not None
+        return self.directory / f"{name}.json"
+
+    # -- reading ---------------------------------------------------------------------
+
+    def get(self, name: str) -> Voice | None:
+        builtin = _BUILTINS.get(name)
+        if builtin is not None:
+            return builtin
+        if self.directory is None or not NAME_RE.match(name):
+            return None
+        path = self._path(name)
+        try:
+            st = path.stat()
+        except OSError:
+            with self._lock:
+                self._cache.pop(name, None)
+            return None
+        key = (st.st_mtime_ns, st.st_size, st.st_ino)
+        with self._lock:
+            cached = self._cache.get(name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        voice: Voice | None
+        try:
+            voice = voice_from_json(orjson.loads(path.read_bytes()), name)
+        except FileNotFoundError:
+            return None
+        except (OSError, orjson.JSONDecodeError, VoiceError) as exc:
+            logger.warning("ignoring voice file %s: %s", path, exc)
+            voice = None
+        with self._lock:
+            self._cache[name] = (key, voice)
+        return voice
+
+    def list(self) -> list[Voice]:
+        """Built-ins first, then the stored voices by name."""
+        stored: list[Voice] = []
+        if self.directory is not None:
+            try:
+                names = sorted(p.name[:-5] for p in self.directory.iterdir()
+                               if p.name.endswith(".json") and not p.name.startswith("."))
+            except OSError:
+                names = []
+            for name in names:
+                if name in _BUILTINS:
+                    continue
+                voice = self.get(name)
+                if voice is not None:
+                    stored.append(voice)
+        return [*_BUILTINS.values(), *stored]
+
+    # -- writing ---------------------------------------------------------------------
+
+    def create(self, body: Any, validate: Callable[[str], None] | None = None,
+               now: float | None = None) -> Voice:
+        """Validate and store a new voice from a create request (``name``, ``seed`` or
+        ``speaker``, optional ``params``); :class:`VoiceError` 400/409 otherwise."""
+        if not isinstance(body, dict):
+            raise VoiceError("the request body must be a JSON object")
+        name = check_name(body.get("name"))
+        if name in _BUILTINS or name in self.reserved:
+            raise VoiceError(f"{name!r} is a built-in voice name", status=409, param="name")
+        if self.directory is None:
+            raise VoiceError("this server has no voices directory", status=403)
+        voice = voice_from_json({**body, "created_at": time.time() if now is None else now})
+        if voice.speaker is not None:
+            check_speaker(voice.speaker, validate)
+        self._write_new(voice)
+        return voice
+
+    def _write_new(self, voice: Voice) -> None:
+        """Write to a temporary file, then link it to its name: atomic, and exclusive (a
+        second instance creating the same name at once gets 409, never half a file)."""
+        assert self.directory is not None
+        self.directory.mkdir(parents=True, exist_ok=True)
+        final = self._path(voice.name)
+        tmp = self.directory / f".{voice.name}.{uuid.uuid4().hex}.tmp"
+        data = orjson.dumps(voice.to_file(), option=orjson.OPT_INDENT_2)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                raise VoiceError(f"a voice named {voice.name!r} exists", status=409,
+                                 param="name") from None
+            except OSError:  # no hard links on this filesystem: replace, after a check
+                if final.exists():
+                    raise VoiceError(f"a voice named {voice.name!r} exists", status=409,
+                                     param="name") from None
+                os.replace(tmp, final)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+    def delete(self, name: str) -> None:
+        if name in _BUILTINS or name in self.reserved:
+            raise VoiceError(f"{name!r} is a built-in voice; it cannot be deleted", status=403)
+        if self.directory is None or not NAME_RE.match(name):
+            raise VoiceError(f"no voice named {name[:64]!r}", status=404)
+        try:
+            self._path(name).unlink()
+        except FileNotFoundError:
+            raise VoiceError(f"no voice named {name!r}", status=404) from None
+        with self._lock:
+            self._cache.pop(name, None)
+
+    # -- resolution ------------------------------------------------------------------
+
+    def apply(self, params: SynthParams) -> SynthParams:
+        """``params`` with a registered voice name replaced by its speaker, and the voice's
+        default params filling every param the request left at its protocol default
+        (``seed`` unset; ``temperature`` 0.3, ``top_P`` 0.7, ``top_K`` 20, ``speed`` 5,
+        ``refine`` false: a request cannot tell "not set" from "set to the default").
+        Anything else (``seed:N``, a speaker string, an unknown name) is returned as is."""
+        name = params.voice
+        if name is None or not NAME_RE.match(name):
+            return params
+        voice = self.get(name)
+        if voice is None:
+            return params
+        changes: dict[str, Any] = {"voice": voice.voice}
+        for key, value in voice.params.items():
+            if getattr(params, key) == getattr(_DEFAULTS, key):
+                changes[key] = value
+        return replace(params, **changes)

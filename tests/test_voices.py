@@ -423,3 +423,20 @@ def test_chattts_two_instances_identical_speaker_and_audio(tiny_checkpoint: Path
         assert audio[0] and audio[0] == audio[1], name
     eng_a.close()
     eng_b.close()
+
+
+def test_cli_flag_and_openapi(tmp_path, monkeypatch):
+    from rtts.api.app import openapi_schema
+    from rtts.cli import build_parser, config_from_args
+    from rtts.core.service import Service
+    from rtts.engines.fake import FakeEngine
+
+    args = build_parser().parse_args(["serve", "--engine", "fake", "--voices-dir",
+                                      str(tmp_path)])
+    assert config_from_args(args).voices_dir == tmp_path
+    monkeypatch.setenv("RTTS_VOICES_DIR", str(tmp_path / "env"))
+    args = build_parser().parse_args(["serve", "--engine", "fake"])
+    assert config_from_args(args).voices_dir == tmp_path / "env"
+    paths = openapi_schema(Service(base_config(), FakeEngine()))["paths"]
+    assert set(paths["/v1/voices"]) == {"get", "post"}
+    assert set(paths["/v1/voices/{name}"]) == {"get", "delete"}

@@ -294,7 +294,14 @@ class VoiceStore:
         voice = voice_from_json({**body, "created_at": time.time() if now is None else now})
         if voice.speaker is not None:
             check_speaker(voice.speaker, validate)
-        self._write_new(voice)
+        try:
+            self._write_new(voice)
+        except VoiceError:
+            raise
+        except OSError as exc:  # read-only or full volume, permissions
+            logger.error("cannot write voice %s to %s: %s", name, self.directory, exc)
+            raise VoiceError(f"cannot store the voice: {exc.strerror or exc}",
+                             status=500) from None
         return voice
 
     def _write_new(self, voice: Voice) -> None:
@@ -326,13 +333,14 @@ class VoiceStore:
 
     def delete(self, name: str) -> None:
         if name in _BUILTINS or name in self.reserved:
-            raise VoiceError(f"{name!r} is a built-in voice; it cannot be deleted", status=403)
+            raise VoiceError(f"{name!r} is a built-in voice; it cannot be deleted", status=403,
+                             param="name")
         if self.directory is None or not NAME_RE.match(name):
-            raise VoiceError(f"no voice named {name[:64]!r}", status=404)
+            raise VoiceError(f"no voice named {name[:64]!r}", status=404, param="name")
         try:
             self._path(name).unlink()
         except FileNotFoundError:
-            raise VoiceError(f"no voice named {name!r}", status=404) from None
+            raise VoiceError(f"no voice named {name!r}", status=404, param="name") from None
         with self._lock:
             self._cache.pop(name, None)
 

@@ -200,6 +200,24 @@ def test_default_dir_follows_env(monkeypatch, tmp_path):
     assert default_voices_dir() == tmp_path / "voices"
 
 
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_an_unwritable_directory_is_a_clear_error(tmp_path):
+    tmp_path.chmod(0o500)
+    try:
+        with pytest.raises(VoiceError) as info:
+            VoiceStore(tmp_path).create({"name": "x", "seed": 1})
+        assert info.value.status == 500 and "cannot store" in info.value.message
+    finally:
+        tmp_path.chmod(0o700)
+
+
+def test_unwritable_path_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("")  # the voices "directory" is a file
+    with pytest.raises(VoiceError) as info:
+        VoiceStore(tmp_path / "file" / "voices").create({"name": "x", "seed": 1})
+    assert info.value.status == 500 and "cannot store" in info.value.message
+
+
 def test_no_directory_means_builtins_only():
     store = VoiceStore(None)
     with pytest.raises(VoiceError) as info:
@@ -310,9 +328,9 @@ async def test_bad_inputs_get_4xx_with_a_body(tmp_path):
              "voice_exists"),
             ("/v1/voices", "POST", {"name": "alloy", "seed": 2}, None, 409, "name",
              "voice_exists"),
-            ("/v1/voices/calm", "DELETE", None, None, 403, None, "builtin_voice"),
+            ("/v1/voices/calm", "DELETE", None, None, 403, "name", "builtin_voice"),
             ("/v1/voices/alloy", "DELETE", None, None, 403, "name", "builtin_voice"),
-            ("/v1/voices/nobody", "DELETE", None, None, 404, None, "voice_not_found"),
+            ("/v1/voices/nobody", "DELETE", None, None, 404, "name", "voice_not_found"),
             ("/v1/voices/nobody", "GET", None, None, 404, "name", "voice_not_found"),
             ("/v1/voices", "PUT", None, None, 405, None, "method_not_allowed"),
         ]

@@ -100,6 +100,8 @@ class VoiceEndpoints:
 def _api_error(exc: VoiceError) -> ApiError:
     code = {400: "invalid_value", 403: "builtin_voice", 404: "voice_not_found",
             409: "voice_exists"}.get(exc.status)
+    if exc.status >= 500:
+        return ApiError(exc.status, exc.message, type="server_error", code="storage_error")
     return ApiError(exc.status, exc.message, param=exc.param, code=code)
 
 

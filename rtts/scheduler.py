@@ -345,19 +345,7 @@ class Scheduler:
             raise
         except Exception as exc:  # the engine raised: fail only the requests it concerns
             logger.exception("engine failed on a batch of %d", len(batch))
-            error = EngineError(f"synthesis failed: {type(exc).__name__}: {exc}")
-            for s in batch:
-                if s.finished or s.request.cancelled.is_set():
-                    continue
-                if len(batch) > 1 and s.first_audio_at is None:
-                    # Which row broke the batch is unknown: rows with no audio yet are
-                    # retried alone, so one bad request cannot fail its neighbours.
-                    s.solo = True
-                    with self._qlock:
-                        self._queue.append(s)
-                else:
-                    s._finish(error)
-                    self.failed += 1
+            self._engine_failed(batch, exc)
         finally:
             self.busy_s += time.monotonic() - started
             self.running_batches -= 1
@@ -380,30 +368,37 @@ class Scheduler:
             future.result()
         except asyncio.CancelledError:
             run.closed = True
-            for s in list(run.streams.values()):
+            for s in [*run.streams.values(), *run.pending]:
                 s.request.cancel()
                 s._finish(EngineError("server is shutting down", code=ErrorCode.SHUTTING_DOWN))
             raise
         except Exception as exc:  # the engine raised: fail only the requests it concerns
             run.closed = True
-            logger.exception("engine failed on a continuous batch of %d", len(run.streams))
-            error = EngineError(f"synthesis failed: {type(exc).__name__}: {exc}")
-            for s in list(run.streams.values()):
-                if s.finished or s.request.cancelled.is_set():
-                    continue
-                if len(run.streams) > 1 and s.first_audio_at is None:
-                    s.solo = True  # which row broke the batch is unknown: retry alone
-                    with self._qlock:
-                        self._queue.append(s)
-                else:
-                    s._finish(error)
-                    self.failed += 1
+            running = [*run.streams.values(), *run.pending]
+            logger.exception("engine failed on a continuous batch of %d", len(running))
+            self._engine_failed(running, exc)
         finally:
             run.closed = True
             self.busy_s += time.monotonic() - started
             self.running_batches -= 1
             self._slots.release()
             self._arrived.set()
+
+    def _engine_failed(self, streams: list[RequestStream], exc: Exception) -> None:
+        """The engine raised while running ``streams``. Which row broke the batch is
+        unknown: rows with no audio yet are retried alone, so one bad request cannot fail
+        its neighbours; the others fail with an engine error."""
+        error = EngineError(f"synthesis failed: {type(exc).__name__}: {exc}")
+        for s in streams:
+            if s.finished or s.request.cancelled.is_set():
+                continue
+            if len(streams) > 1 and s.first_audio_at is None:
+                s.solo = True
+                with self._qlock:
+                    self._queue.append(s)
+            else:
+                s._finish(error)
+                self.failed += 1
 
     def _expire(self, run: _Run) -> None:
         """Fail (and cancel) requests that have run longer than the request timeout."""

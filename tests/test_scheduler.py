@@ -272,3 +272,16 @@ async def test_continuous_later_segment_waits_until_the_first_segment_has_audio(
     assert later.admitted_at is not None and first.first_audio_at is not None
     assert later.admitted_at >= first.first_audio_at
     await sched.stop()
+
+
+async def test_continuous_engine_failing_before_its_first_step_fails_the_batch():
+    class Broken(FakeEngine):
+        def serve(self, admit, slots):
+            raise RuntimeError("device lost")
+            yield  # a generator, like the real engines
+
+    sched = await started(Broken(continuous=True), max_batch_size=4, max_wait_ms=10)
+    stream = sched.submit(SynthRequest("hello", SynthParams()))
+    with pytest.raises(EngineError):
+        await asyncio.wait_for(collect(stream), 5)  # an error, not a hang
+    await sched.stop()

@@ -8,7 +8,7 @@ requests whose :meth:`Engine.batch_key` is equal and yields audio as it exists.
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from ..protocol import SynthParams
 
-__all__ = ["Engine", "EngineOutput", "SynthRequest"]
+__all__ = ["Engine", "EngineOutput", "Serve", "SynthRequest", "fixed_batch"]
 
 
 @dataclass(eq=False)
@@ -64,3 +64,31 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Release resources."""
+
+
+# An engine's continuous-batching entry point: ``serve(admit, slots)`` calls ``admit(free)``
+# before every step for up to ``free`` new requests, and yields ``(request, samples)``, then
+# ``(request, None)`` once per request.
+Serve = Callable[[Callable[[int], Sequence[SynthRequest]], int],
+                 Iterator[tuple[SynthRequest, "npt.NDArray[np.float32] | None"]]]
+
+
+def fixed_batch(serve: Serve, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:
+    """``generate(batch)`` on top of ``serve``: every row starts together, nobody joins
+    (static batching); outputs are keyed by row index."""
+    index = {id(r): k for k, r in enumerate(batch)}
+    pending = list(batch)
+
+    def admit(free: int) -> list[SynthRequest]:
+        nonlocal pending
+        taken, pending = pending[:free], pending[free:]
+        return taken
+
+    outputs = serve(admit, max(1, len(batch)))
+    try:
+        for request, chunk in outputs:
+            yield index[id(request)], chunk
+    finally:
+        close = getattr(outputs, "close", None)
+        if close is not None:
+            close()  # closing this generator stops the engine's at its next step

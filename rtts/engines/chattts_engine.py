@@ -42,7 +42,7 @@ import numpy.typing as npt
 from ..config import EngineConfig, default_model_dir
 from ..protocol import SynthParams
 from . import kernels
-from .base import EngineOutput, SynthRequest
+from .base import EngineOutput, SynthRequest, fixed_batch
 from .gpt_loop import BatchedGpt, GptRow, RowSpec
 
 __all__ = ["ChatTTSEngine", "StockChatTTSEngine", "check_torchaudio", "configure_threads_env"]
@@ -266,16 +266,7 @@ class ChatTTSEngine:
 
     def generate(self, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:
         """A fixed batch: every row starts together, nobody joins (static batching)."""
-        index = {id(r): k for k, r in enumerate(batch)}
-        pending = list(batch)
-
-        def admit(free: int) -> list[SynthRequest]:
-            nonlocal pending
-            taken, pending = pending[:free], pending[free:]
-            return taken
-
-        for request, chunk in self.serve(admit, max(1, len(batch))):
-            yield index[id(request)], chunk
+        return fixed_batch(self.serve, batch)
 
     def serve(self, admit: Callable[[int], Sequence[SynthRequest]], slots: int
               ) -> Iterator[tuple[SynthRequest, npt.NDArray[np.float32] | None]]:

@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..protocol import SynthParams
-from .base import EngineOutput, SynthRequest
+from .base import EngineOutput, SynthRequest, fixed_batch
 
 __all__ = ["FakeEngine"]
 
@@ -72,16 +72,7 @@ class FakeEngine:
 
     def generate(self, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:
         """A fixed batch (static batching): every row starts together, nobody joins."""
-        index = {id(r): k for k, r in enumerate(batch)}
-        pending = list(batch)
-
-        def admit(free: int) -> list[SynthRequest]:
-            nonlocal pending
-            taken, pending = pending[:free], pending[free:]
-            return taken
-
-        for request, chunk in self.serve(admit, max(1, len(batch))):
-            yield index[id(request)], chunk
+        return fixed_batch(self.serve, batch)
 
     def serve(self, admit: Callable[[int], Sequence[SynthRequest]], slots: int
               ) -> Iterator[tuple[SynthRequest, npt.NDArray[np.float32] | None]]:

@@ -345,12 +345,9 @@ def _step_ms(engine: Any, rows: int, steps: int) -> float:
     import torch
 
     from .engines.base import SynthRequest
-    from .engines.gpt_loop import BatchedGpt
     from .protocol import SynthParams
 
-    chat = engine.chat
-    gpt = BatchedGpt(chat.gpt, chat.config.gpt.num_vq, chat.config.gpt.num_audio_tokens - 1,
-                     slots=rows)
+    gpt = engine.batch(rows)
     reqs = [SynthRequest(f"{BENCH_TEXT}, {i}.", SynthParams(seed=i), max_new_token=steps + 8)
             for i in range(rows)]
     times = []
@@ -377,12 +374,10 @@ def _forced_logits(engine: Any, codes: Any | None, tokens: int) -> tuple[Any, An
     import torch
 
     from .engines.base import SynthRequest
-    from .engines.gpt_loop import BatchedGpt
     from .protocol import SynthParams
 
     chat = engine.chat
-    gpt = BatchedGpt(chat.gpt, chat.config.gpt.num_vq, chat.config.gpt.num_audio_tokens - 1,
-                     slots=1)
+    gpt = engine.batch(1)
     req = SynthRequest(BENCH_TEXT + ".", SynthParams(seed=3), max_new_token=tokens)
     with torch.no_grad():
         spec = engine._specs([req])[0]

@@ -221,9 +221,7 @@ class Scheduler:
             self._dispatcher = None
         with self._qlock:
             queued, self._queue = self._queue, []
-        for stream in queued:
-            stream.request.cancel()
-            stream._finish(EngineError("server is shutting down", code=ErrorCode.SHUTTING_DOWN))
+        self._shut_down(queued)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -339,9 +337,7 @@ class Scheduler:
             with contextlib.suppress(Exception):
                 await future
         except asyncio.CancelledError:
-            for s in batch:
-                s.request.cancel()
-                s._finish(EngineError("server is shutting down", code=ErrorCode.SHUTTING_DOWN))
+            self._shut_down(batch)
             raise
         except Exception as exc:  # the engine raised: fail only the requests it concerns
             logger.exception("engine failed on a batch of %d", len(batch))
@@ -367,13 +363,10 @@ class Scheduler:
                 self._expire(run)
             future.result()
         except asyncio.CancelledError:
-            run.closed = True
-            for s in [*run.streams.values(), *run.pending]:
-                s.request.cancel()
-                s._finish(EngineError("server is shutting down", code=ErrorCode.SHUTTING_DOWN))
+            run.closed = True  # the device thread may still ask for requests: none
+            self._shut_down([*run.streams.values(), *run.pending])
             raise
         except Exception as exc:  # the engine raised: fail only the requests it concerns
-            run.closed = True
             running = [*run.streams.values(), *run.pending]
             logger.exception("engine failed on a continuous batch of %d", len(running))
             self._engine_failed(running, exc)
@@ -383,6 +376,12 @@ class Scheduler:
             self.running_batches -= 1
             self._slots.release()
             self._arrived.set()
+
+    @staticmethod
+    def _shut_down(streams: list[RequestStream]) -> None:
+        for s in streams:
+            s.request.cancel()
+            s._finish(EngineError("server is shutting down", code=ErrorCode.SHUTTING_DOWN))
 
     def _engine_failed(self, streams: list[RequestStream], exc: Exception) -> None:
         """The engine raised while running ``streams``. Which row broke the batch is
@@ -420,13 +419,12 @@ class Scheduler:
                 taken, run.pending = run.pending[:free], run.pending[free:]
             else:
                 warming = any(s.first_audio_at is None for s in run.streams.values())
-                taken = self._pick(min(free, self.slot_limit - run.live), warming)
+                taken = self._pick(min(free, self.slot_limit - len(run.streams)), warming)
                 self.joined += len(taken)
             now = time.monotonic()
             for s in taken:
                 s.admitted_at = now
                 run.streams[id(s.request)] = s
-            run.live += len(taken)
             return [s.request for s in taken]
 
         serve = self.engine.serve  # type: ignore[attr-defined]
@@ -435,7 +433,6 @@ class Scheduler:
             for request, samples in gen:
                 stream = run.streams[id(request)]
                 if samples is None:
-                    run.live -= 1
                     run.streams.pop(id(request), None)
                     if request.cancelled.is_set():
                         self.cancelled += 1
@@ -503,5 +500,4 @@ class _Run:
     def __init__(self, first: list[RequestStream]) -> None:
         self.pending = list(first)  # handed to the engine at its first admit
         self.streams: dict[int, RequestStream] = {}  # id(request) -> stream, while running
-        self.live = 0
         self.closed = False

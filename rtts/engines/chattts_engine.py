@@ -268,6 +268,14 @@ class ChatTTSEngine:
                 top_k=p.top_K, seed=p.seed, tag=r))
         return specs
 
+    def batch(self, slots: int) -> BatchedGpt:
+        """An empty continuous batch of ``slots`` rows over the loaded GPT."""
+        chat = self.chat
+        if chat is None:
+            raise RuntimeError("engine not loaded")
+        return BatchedGpt(chat.gpt, chat.config.gpt.num_vq,
+                          eos_token=chat.config.gpt.num_audio_tokens - 1, slots=slots)
+
     def generate(self, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:
         """A fixed batch: every row starts together, nobody joins (static batching)."""
         return fixed_batch(self.serve, batch)
@@ -280,12 +288,7 @@ class ChatTTSEngine:
         Returns when no row is left and ``admit`` gives nothing."""
         import torch
 
-        chat = self.chat
-        if chat is None:
-            raise RuntimeError("engine not loaded")
-        num_vq = chat.config.gpt.num_vq
-        gpt = BatchedGpt(chat.gpt, num_vq, eos_token=chat.config.gpt.num_audio_tokens - 1,
-                         slots=slots)
+        gpt = self.batch(slots)
         live: list[_Live] = []
         with torch.no_grad():
             while True:

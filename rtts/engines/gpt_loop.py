@@ -41,6 +41,7 @@ __all__ = ["BatchedGpt", "GptRow", "RowSpec"]
 
 MIN_TOKENS_TO_KEEP = 3  # ChatTTS's gen_logits: top-P and top-K keep at least 3 codes
 PENALTY_WINDOW = 16  # ChatTTS's repetition penalty looks at the last 16 codes
+FORWARDS_KEPT = 4096  # BatchedGpt.forward_rows keeps at least this many recent entries
 
 
 @dataclass
@@ -115,15 +116,16 @@ class BatchedGpt:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self._kv_shape = (slots, heads, head_dim)
         self.hidden = cfg.hidden_size
-        self.keys: list[Any] = []
-        self.values: list[Any] = []
-        self.valid = torch.zeros(0)
-        self._alloc(columns)
-        self.cache = _SlotCache(self.keys, self.values)
         self.rows: list[GptRow] = []  # live rows, in slot order (row k is in slot k)
         self.t = 0  # next column every live row writes
         self.steps = 0
-        self.forward_rows: list[int] = []  # rows computed by each forward (tests, metrics)
+        # rows computed by each forward (tests, debugging): the last FORWARDS_KEPT or more
+        self.forward_rows: list[int] = []
+        self.keys: list[Any] = []
+        self.values: list[Any] = []
+        self.valid = torch.zeros(slots, 0, dtype=torch.bool, device=self.device)
+        self._alloc(columns)
+        self.cache = _SlotCache(self.keys, self.values)
 
     # -- buffers -------------------------------------------------------------------------
 
@@ -137,13 +139,12 @@ class BatchedGpt:
 
         slots, heads, head_dim = self._kv_shape
         old_k, old_v, old_valid = self.keys, self.values, self.valid
-        old_cols = int(old_valid.shape[1]) if old_valid.dim() == 2 else 0
-        keep = min(getattr(self, "t", 0), columns, old_cols) if getattr(self, "rows", None) else 0
+        keep = min(self.t, columns, self.columns) if self.rows else 0
         shape = (slots, heads, columns, head_dim)
         new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         valid = torch.zeros(slots, columns, dtype=torch.bool, device=self.device)
-        if keep and old_k:
+        if keep:
             for dst, src in ((new_k, old_k), (new_v, old_v)):
                 for d, s in zip(dst, src, strict=True):
                     d[:, :, :keep] = s[:, :, :keep]
@@ -190,6 +191,8 @@ class BatchedGpt:
         """Run the decoder layers on ``x`` (n, q, H) for buffer rows ``rows``."""
         self.cache.rows, self.cache.write, self.cache.read = rows, write, read
         self.forward_rows.append(int(x.shape[0]))
+        if len(self.forward_rows) >= 2 * FORWARDS_KEPT:  # a batch can run for days
+            del self.forward_rows[:FORWARDS_KEPT]
         h = x.to(self.device, self.dtype)
         cos_sin = self.model.rotary_emb(h, position_ids=pos)
         for layer in self.layers:

@@ -111,3 +111,25 @@ async def test_cancel_and_leaving_early_free_the_scheduler():
         assert service.stats.cancels == 1  # cancel() counts; an abandoned iterator does not
     finally:
         await service.stop_core()
+
+
+async def test_segment_done_carries_estimated_char_timings() -> None:
+    """Every SegmentDone has character timings of its written text spanning its audio."""
+    service = await started_service()
+    try:
+        ctx = service.open_context(SynthParams())
+        ctx.feed("Hello there, 42 friends. 你好，世界。")
+        ctx.end()
+        texts: dict[int, str] = {}
+        dones: list[SegmentDone] = []
+        async for event in ctx.events():
+            if isinstance(event, SegmentStarted):
+                texts[event.index] = event.text
+            elif isinstance(event, SegmentDone):
+                dones.append(event)
+        assert dones
+        for done in dones:
+            assert done.timings.text == texts[done.index]
+            assert done.timings.end_ms == round(done.samples * 1000 / service.engine.sample_rate)
+    finally:
+        await service.stop()

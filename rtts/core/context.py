@@ -29,6 +29,7 @@ from ..errors import RttsError
 from ..protocol import SynthParams
 from ..segmenter import DEFAULT_MAX_CHARS, DEFAULT_SCHEDULE, Chunk, Segmenter
 from ..text import SpokenText
+from ..text.timings import CharTimings, estimate
 
 if TYPE_CHECKING:
     from .service import Service, Source
@@ -60,6 +61,8 @@ class Audio:
 class SegmentDone:
     index: int
     samples: int  # engine-rate samples in the segment
+    # estimated character timings of the segment's written text, ms from the segment's start
+    timings: CharTimings = CharTimings((), (), ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +215,6 @@ class SpeechContext:
                 if self._inflight and self._inflight[0][3] is source:
                     self._inflight.popleft()
                 samples_total += n
-                yield SegmentDone(index, n)
+                yield SegmentDone(index, n, estimate(chunk.text, n * 1000 / self.sample_rate))
         finally:
             self._release()

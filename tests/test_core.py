@@ -132,4 +132,4 @@ async def test_segment_done_carries_estimated_char_timings() -> None:
             assert done.timings.text == texts[done.index]
             assert done.timings.end_ms == round(done.samples * 1000 / service.engine.sample_rate)
     finally:
-        await service.stop()
+        await service.stop_core()

@@ -1,4 +1,16 @@
-"""Command line: ``rtts serve``, ``rtts model make-random``, ``rtts doctor``, ``rtts bench``."""
+"""rtts: a self-hosted real-time streaming text-to-speech server on ChatTTS.
+
+Commands:
+  rtts serve                     run the server (WebSocket and HTTP on one port)
+  rtts model make-random DIR     write a random-weight ChatTTS checkpoint (tests, benchmarks)
+  rtts doctor [--fix]            check the install; --fix repairs the known torchaudio problem
+  rtts bench ...                 load benchmarks with real clients
+
+Every option can also be set by an environment variable (shown in each command's --help,
+e.g. RTTS_PORT for `rtts serve --port`) or in a TOML file given with --config (or
+RTTS_CONFIG). A flag on the command line wins over the environment, which wins over the
+file, which wins over the built-in default.
+"""
 
 from __future__ import annotations
 
@@ -6,38 +18,64 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
 
+from . import __version__
 from .auth import AuthConfig
 from .cache import CacheConfig
+from .cliconf import Parser
 from .config import EngineConfig, ServerConfig
 from .scheduler import SchedulerConfig
 from .session import SessionLimits
 
-__all__ = ["build_parser", "config_from_args", "main"]
+__all__ = ["UsageError", "build_parser", "config_from_args", "main"]
 
 logger = logging.getLogger("rtts.cli")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rtts", description=__doc__)
-    p.add_argument("--log-level", default="INFO")
-    sub = p.add_subparsers(dest="command", required=True)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
-    s = sub.add_parser("serve", help="run the server (WebSocket and HTTP on one port)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8765)
-    s.add_argument("--engine", choices=["chattts", "fake"], default="chattts")
-    s.add_argument("--source", choices=["auto", "custom", "huggingface"], default="auto",
-                   help="auto: --model-dir if given, else the embedded tiny random checkpoint")
-    s.add_argument("--model-dir", type=Path, default=None)
+
+class UsageError(ValueError):
+    """Flags that parse one by one but do not fit together (exit status 2, one line)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line. Every parser is a :class:`rtts.cliconf.Parser`: each option
+    also reads an ``RTTS_*`` variable and ``--config FILE``, and ``--help`` shows both."""
+    p = Parser(prog="rtts", description=__doc__)
+    p.add_argument("--version", action="version", version=f"rtts {__version__}")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                   help="log verbosity")
+    p.add_argument("--config", type=Path, default=None, metavar="FILE",
+                   help="TOML file of settings: top-level keys for these global options, a "
+                        "[serve] table for `rtts serve` (keys are the flag names); also "
+                        "RTTS_CONFIG. Flags and RTTS_* variables override it")
+    sub = p.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="run the server (WebSocket and HTTP on one port)",
+                       description="Serve the native WebSocket protocol, the HTTP API and the "
+                                   "demo page on one port.")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8765, help="TCP port to listen on")
+    s.add_argument("--engine", choices=["chattts", "fake"], default="chattts",
+                   help="chattts: the real model; fake: test tones, no model (the test double)")
+    s.add_argument("--source", choices=["auto", "custom", "huggingface", "random"],
+                   default="auto",
+                   help="where the ChatTTS weights come from. auto: --model-dir if given, "
+                        "else $RTTS_HOME/ChatTTS, else the Hugging Face cache, else a download "
+                        "of 2Noise/ChatTTS, else the tiny random checkpoint (speaks noise); "
+                        "custom: --model-dir only; huggingface: the cache, else a download; "
+                        "random: the tiny random checkpoint")
+    s.add_argument("--model-dir", type=Path, default=None,
+                   help="a local copy of the ChatTTS weights (asset/..., sha256-checked)")
     s.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    s.add_argument("--max-new-token", type=int, default=EngineConfig.max_new_token)
+    s.add_argument("--max-new-token", type=int, default=EngineConfig.max_new_token,
+                   help="most GPT steps per segment (47 a second of audio)")
     s.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default=EngineConfig.dtype,
                    help="GPT weight precision (int8: weight-only, see README for accuracy)")
     s.add_argument("--kernels", default=EngineConfig.kernels,
@@ -60,28 +98,45 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a later segment may wait while a new stream warms up")
     s.add_argument("--degraded-slots", type=int, default=None,
                    help="while the load governor is degraded, at most this many slots")
-    s.add_argument("--max-wait-ms", type=float, default=SchedulerConfig.max_wait_ms)
+    s.add_argument("--max-wait-ms", type=float, default=SchedulerConfig.max_wait_ms,
+                   help="how long a request may wait for others to fill a static batch, ms")
     s.add_argument("--concurrency", type=int, default=SchedulerConfig.concurrency,
                    help="batches running at once on the device")
-    s.add_argument("--max-queue", type=int, default=SchedulerConfig.max_queue)
-    s.add_argument("--request-timeout", type=float, default=SchedulerConfig.request_timeout_s)
-    s.add_argument("--max-contexts", type=int, default=SessionLimits.max_contexts)
-    s.add_argument("--max-message-bytes", type=int, default=ServerConfig.max_message_bytes)
+    s.add_argument("--max-queue", type=int, default=SchedulerConfig.max_queue,
+                   help="segments waiting for the engine; beyond it requests are refused "
+                        "(HTTP 429, `overloaded`)")
+    s.add_argument("--request-timeout", type=float, default=SchedulerConfig.request_timeout_s,
+                   help="seconds one segment may take before it fails with `timeout`")
+    s.add_argument("--max-contexts", type=int, default=SessionLimits.max_contexts,
+                   help="contexts open at once on one WebSocket connection")
+    s.add_argument("--max-message-bytes", type=int, default=ServerConfig.max_message_bytes,
+                   help="largest WebSocket message accepted (larger: close 1009)")
+    s.add_argument("--max-protocol-errors", type=int, default=ServerConfig.max_protocol_errors,
+                   help="protocol errors one connection may make before it is closed (1008)")
+    s.add_argument("--slow-client-timeout", type=float,
+                   default=ServerConfig.slow_client_timeout_s,
+                   help="seconds the server waits for a client that stopped reading before "
+                        "it closes the connection (4008)")
     s.add_argument("--max-lead", type=float, default=ServerConfig.max_lead_s,
                    help="seconds of audio sent ahead of estimated playback (0 = no pacing)")
-    s.add_argument("--shutdown-grace", type=float, default=ServerConfig.shutdown_grace_s)
-    s.add_argument("--web-dir", type=Path, default=None)
+    s.add_argument("--shutdown-grace", type=float, default=ServerConfig.shutdown_grace_s,
+                   help="on SIGTERM, seconds open streams and responses get to finish while "
+                        "/readyz answers 503 (then 1001)")
+    s.add_argument("--web-dir", type=Path, default=None,
+                   help="serve the demo page and JS client from this directory (default: "
+                        "the installed package's copy)")
     s.add_argument("--api-key", action="append", default=[],
                    help="require this key (repeatable; also RTTS_API_KEYS=k1,k2)")
     s.add_argument("--allowed-origin", action="append", default=[],
                    help="browser Origin allowed to connect (repeatable; default any)")
     s.add_argument("--token-ttl", type=int, default=300, help="browser token lifetime, s")
-    s.add_argument("--max-sessions-per-key", type=int, default=None)
+    s.add_argument("--max-sessions-per-key", type=int, default=None,
+                   help="sessions (connections and HTTP streams) one key may hold at once")
     s.add_argument("--sessions-per-minute", type=int, default=None,
                    help="new sessions a minute per key")
     s.add_argument("--cache-mb", type=float, default=CacheConfig.memory_mb,
                    help="in-process phrase cache size; 0 = off")
-    s.add_argument("--cache-redis", default=os.environ.get("RTTS_CACHE_REDIS"),
+    s.add_argument("--cache-redis", default=None,
                    help="redis://host:port/db: phrase cache shared by instances")
     s.add_argument("--cache-ttl", type=int, default=CacheConfig.redis_ttl_s,
                    help="Redis entry lifetime, s")
@@ -93,15 +148,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "~/.cache/rtts/voices)")
     s.add_argument("--fake-rtf", type=float, default=0.0, help="fake engine: pace (0 = fast)")
 
-    m = sub.add_parser("model", help="model utilities")
-    msub = m.add_subparsers(dest="model_command", required=True)
-    mk = msub.add_parser("make-random", help="write a random-weight ChatTTS checkpoint")
-    mk.add_argument("--size", choices=["tiny", "full"], default="tiny")
-    mk.add_argument("--seed", type=int, default=0)
-    mk.add_argument("dir", type=Path)
+    m = sub.add_parser("model", help="model utilities",
+                       description="Model utilities.")
+    msub = m.add_subparsers(dest="model_command", title="commands", metavar="COMMAND")
+    mk = msub.add_parser("make-random", help="write a random-weight ChatTTS checkpoint",
+                         description="Write a random-weight ChatTTS checkpoint in ChatTTS's "
+                                     "own layout: real ChatTTS code, noise for a voice. For "
+                                     "tests and benchmarks.")
+    mk.add_argument("--size", choices=["tiny", "full"], default="tiny",
+                    help="tiny (~6 MB, fast on a CPU) or full (the published shapes, ~1.2 GB)")
+    mk.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+    mk.add_argument("dir", type=Path, metavar="DIR", help="directory to write it to")
 
-    d = sub.add_parser("doctor", help="check the install; --fix repairs known problems")
-    d.add_argument("--fix", action="store_true")
+    d = sub.add_parser("doctor", help="check the install; --fix repairs known problems",
+                       description="Check that torch and ChatTTS import here and which "
+                                   "weights `rtts serve` would load.")
+    d.add_argument("--fix", action="store_true",
+                   help="move aside torchaudio's CUDA-linked libraries when torch has no CUDA")
 
     from .bench import add_parser
 
@@ -109,12 +172,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Settings that parse one by one but do not fit together: :class:`UsageError`."""
+    if args.source == "custom" and args.model_dir is None:
+        raise UsageError("--source custom needs --model-dir DIR (the ChatTTS weights)")
+    if args.model_dir is not None and args.source in ("huggingface", "random"):
+        raise UsageError(f"--model-dir does not go with --source {args.source}")
+    for name in ("port", "max_message_bytes", "max_contexts", "max_queue", "max_batch_size",
+                 "concurrency", "max_protocol_errors"):
+        value = getattr(args, name)
+        if value < (0 if name == "port" else 1):
+            raise UsageError(f"--{name.replace('_', '-')} must be "
+                             f"{'0 or more' if name == 'port' else 'at least 1'}")
+    if args.port > 65535:
+        raise UsageError("--port must be at most 65535")
+
+
+def check_serve_paths(args: argparse.Namespace) -> None:
+    """The directories ``rtts serve`` was pointed at exist (checked before start-up)."""
+    if args.model_dir is not None and not args.model_dir.is_dir():
+        raise UsageError(f"--model-dir {args.model_dir}: no such directory")
+    if args.web_dir is not None and not (args.web_dir / "index.html").is_file():
+        raise UsageError(f"--web-dir {args.web_dir}: no index.html there")
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    check_serve_args(args)
     base = ServerConfig()
     return replace(
         base,
         host=args.host, port=args.port,
         max_message_bytes=args.max_message_bytes,
+        max_protocol_errors=args.max_protocol_errors,
+        slow_client_timeout_s=args.slow_client_timeout,
         shutdown_grace_s=args.shutdown_grace,
         max_lead_s=args.max_lead or None,
         web_dir=args.web_dir or base.web_dir,
@@ -139,7 +229,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         cache=replace(base.cache, memory_mb=args.cache_mb, redis_url=args.cache_redis or None,
                       redis_ttl_s=args.cache_ttl),
         auth=AuthConfig(
-            api_keys=tuple(args.api_key) + AuthConfig.keys_from_env(),
+            api_keys=tuple(dict.fromkeys((*args.api_key, *AuthConfig.keys_from_env()))),
             token_ttl_s=args.token_ttl, allowed_origins=tuple(args.allowed_origin),
             max_sessions_per_key=args.max_sessions_per_key,
             sessions_per_minute=args.sessions_per_minute,
@@ -173,17 +263,32 @@ async def serve_until_signalled(config: ServerConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # one line per connection is noise at INFO; rtts logs what matters itself
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.root.level))
     if args.command == "serve":
-        return asyncio.run(serve_until_signalled(config_from_args(args)))
+        try:
+            config = config_from_args(args)
+            check_serve_paths(args)
+        except UsageError as exc:
+            print(f"rtts serve: error: {exc} (see `rtts serve --help`)", file=sys.stderr)
+            return 2
+        try:
+            return asyncio.run(serve_until_signalled(config))
+        except KeyboardInterrupt:  # a second Ctrl-C during the drain
+            return 130
     if args.command == "model":
         from .engines.checkpoint import make_random_checkpoint
 
-        make_random_checkpoint(args.dir, args.size, args.seed)
+        try:
+            make_random_checkpoint(args.dir, args.size, args.seed)
+        except OSError as exc:
+            print(f"rtts model make-random: error: {args.dir}: {exc.strerror or exc}",
+                  file=sys.stderr)
+            return 1
         print(f"random {args.size} checkpoint written to {args.dir}")
         return 0
     if args.command == "bench":

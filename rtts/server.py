@@ -65,22 +65,28 @@ class App(Service):
 
     def busy_connections(self) -> int:
         return self.native.busy_connections() + self.http.busy
-
     async def drain_and_close(self) -> None:
-        """Graceful shutdown: stop accepting, let contexts and HTTP responses finish until
-        the grace deadline, then close remaining connections with 1001 and stop the engine."""
-        self.state, self.state_reason = "draining", "shutting down"
-        logger.info("draining %d connections (grace %.1fs)", len(self.connections),
+        """Graceful shutdown: refuse new work, let contexts and HTTP responses finish until
+        the grace deadline, then close remaining connections with 1001 and stop the engine.
+
+        The listener stays open for the whole drain, so a load balancer or kubelet sees a
+        draining instance, not a dead one: ``/healthz`` answers 200, ``/readyz`` 503 with the
+        reason, a new WebSocket upgrade 503 with ``Retry-After`` (the handshake checks
+        :attr:`state`), and the speech endpoints 503 (``authorize`` does). The listening
+        socket closes only when the drain ends."""
+        self.state, self.state_reason = "draining", "draining: shutting down"
+        logger.info("draining %d connections and %d HTTP responses (grace %.1fs); /readyz "
+                    "answers 503 meanwhile", len(self.connections), self.http.busy,
                     self.config.shutdown_grace_s)
-        if self.server is not None:
-            self.server.close(close_connections=False)
-        self.http.shutdown()
+        self.http.shutdown()  # idle keep-alive connections reconnect (and get told)
         deadline = time.monotonic() + self.config.shutdown_grace_s
         while self.busy_connections() and (left := deadline - time.monotonic()) > 0:
             self.activity.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(left, 0.1)):
                     await self.activity.wait()
+        if self.server is not None:
+            self.server.close(close_connections=False)
         await self.stop_sampling()
         for conn in list(self.connections):
             await conn.close(CLOSE_GOING_AWAY, "server shutting down")

@@ -111,7 +111,7 @@ http {{
       proxy_read_timeout 3600s;
       proxy_send_timeout 3600s;
       proxy_buffering off;
-      # a draining instance has closed its listener: try the next one
+      # a draining instance answers 503 (and finally closes its listener): try the next one
       proxy_next_upstream error timeout http_503;
       proxy_connect_timeout 2s;
     }}

@@ -276,8 +276,10 @@ async def test_graceful_shutdown_finishes_in_flight_then_closes_1001():
         shutdown = asyncio.create_task(app.drain_and_close())
         await asyncio.sleep(0.05)
         assert app.state == "draining"
-        with pytest.raises(OSError):  # no longer accepting
-            await asyncio.open_connection("127.0.0.1", port)
+        with pytest.raises(InvalidStatus) as refused:  # new streams refused (test_drain.py)
+            async with connect(f"ws://127.0.0.1:{port}/v1/stream"):
+                pass
+        assert refused.value.response.status_code == 503
         await c.until("done", "a")  # in-flight work completes
         with pytest.raises(ConnectionClosed) as info:
             await c.until("never")

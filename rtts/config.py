@@ -15,29 +15,38 @@ from .scheduler import SchedulerConfig
 from .session import SessionLimits
 from .voices import default_voices_dir
 
-__all__ = ["EngineConfig", "ServerConfig", "default_model_dir", "packaged_web_dir"]
+__all__ = ["EngineConfig", "ServerConfig", "default_home", "default_model_dir",
+           "packaged_web_dir"]
+
+
+def default_home() -> Path:
+    """rtts's own directory: ``$RTTS_HOME``, else ``$XDG_CACHE_HOME/rtts``, else
+    ``~/.cache/rtts`` (the random checkpoint, ``ChatTTS/`` weights, ``voices/``)."""
+    base = os.environ.get("RTTS_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rtts")
+    return Path(base)
 
 
 def default_model_dir() -> Path:
     """Where the embedded default (tiny random-weight) checkpoint is generated."""
-    base = os.environ.get("RTTS_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rtts")
-    return Path(base) / "random-tiny"
+    return default_home() / "random-tiny"
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Which engine, and where its weights come from.
 
-    ``name="chattts"`` with ``model_dir=None`` and ``source="auto"`` uses the embedded
-    default: a tiny random-weight checkpoint generated under :func:`default_model_dir`
-    on first run (it speaks noise; logged as such). ``source="huggingface"`` loads the
-    published 2Noise/ChatTTS weights through the hub cache; ``model_dir`` with
-    ``source="custom"`` loads a local copy of those weights.
+    ``name="chattts"`` with ``model_dir=None`` and ``source="auto"`` takes the real
+    weights from ``$RTTS_HOME/ChatTTS``, else the Hugging Face cache, else a download, and
+    only if all fail the embedded default, a tiny random-weight checkpoint generated under
+    :func:`default_model_dir` (it speaks noise; logged as such): see
+    :mod:`rtts.engines.weights`. ``source="huggingface"``: the cache or a download, no
+    fallback; ``model_dir`` with ``source="custom"``: a local copy; ``source="random"``:
+    the random checkpoint.
     """
 
     name: str = "chattts"
-    source: str = "auto"  # auto | custom | huggingface
+    source: str = "auto"  # auto | custom | huggingface | random
     model_dir: Path | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # torch intra-op threads; None = all cores

@@ -30,6 +30,16 @@ def _histogram(name: str, counts: Counter[int], bounds: tuple[int, ...]) -> list
     return lines
 
 
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _weights_info(weights: dict[str, str]) -> str:
+    labels = ",".join(f'{k}="{_label(weights.get(k, ""))}"'
+                      for k in ("kind", "source", "identity"))
+    return f"rtts_weights_info{{{labels}}} 1"
+
+
 def render_metrics(app: Service) -> str:
     s, sch, cs = app.stats, app.scheduler, app.cache.stats
     ttfa = list(s.ttfa_s)
@@ -37,6 +47,8 @@ def render_metrics(app: Service) -> str:
     audio_gen = sch.audio_samples / app.engine.sample_rate
     lines = [
         "# TYPE rtts_up gauge", f"rtts_up{{state=\"{app.state}\"}} 1",
+        "# HELP rtts_weights_info the weights being served (kind: real, random, none)",
+        "# TYPE rtts_weights_info gauge", _weights_info(app.weights()),
         "# TYPE rtts_active_connections gauge",
         f"rtts_active_connections {app.active_connections()}",
         "# TYPE rtts_active_contexts gauge",

@@ -7,11 +7,17 @@ random-weight checkpoint, generated once per test session.
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# Never download weights in tests (and fail fast, not after a timeout, where there is no
+# network): `--source auto` then falls back to the random checkpoint. Servers started as
+# subprocesses inherit it. tests/test_weights.py unsets it where it tests the hub probe.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")

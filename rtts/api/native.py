@@ -194,7 +194,8 @@ class Connection:
         self._spawn(self._timer(), "rtts-idle-flush")
         try:
             await self.send(0, self.session.hello(
-                engine=self.app.engine.name, sample_rate=self.app.engine.sample_rate,
+                engine=self.app.engine.name, weights=self.app.weights(),
+                sample_rate=self.app.engine.sample_rate,
                 degraded=self.app.degraded, instance=self.cfg.instance_id,
                 formats=list(SUPPORTED_FORMATS)).event)
             await self._reader()

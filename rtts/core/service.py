@@ -243,8 +243,18 @@ class Service:
         of it uses the same speaker and params (and the cache keys them by the speaker)."""
         return SpeechContext(self, self.voices.apply(params), **options)
 
+    def weights(self) -> dict[str, str]:
+        """Which weights the engine serves: ``kind`` (``real``, ``random``; ``none`` for an
+        engine without weights), ``source`` and ``identity`` (/v1/info, ready, /metrics)."""
+        weights = getattr(self.engine, "weights", None)
+        if isinstance(weights, dict):
+            return {k: str(v) for k, v in weights.items()}
+        return {"kind": "none", "source": self.engine.name,
+                "identity": str(getattr(self.engine, "identity", self.engine.name))}
+
     def info(self) -> dict[str, Any]:
         return {"server": "rtts", "version": __version__, "engine": self.engine.name,
+                "weights": self.weights(),
                 "device": self.engine.device, "engine_sample_rate": self.engine.sample_rate,
                 "state": self.state, "ws_path": self.config.ws_path,
                 "instance": self.config.instance_id,

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..config import EngineConfig, default_model_dir
+from ..config import EngineConfig
 from ..protocol import SynthParams
 from . import kernels
 from .base import EngineOutput, SynthRequest, fixed_batch
@@ -93,6 +93,8 @@ class ChatTTSEngine:
         self.random_weights = False
         self.model_path: str | None = None
         self.identity = "chattts:unloaded"
+        # what /v1/info, the ready event and /metrics report: kind real|random, source, id
+        self.weights: dict[str, str] = {"kind": "unloaded", "source": "", "identity": ""}
         self._voices: OrderedDict[str, Any] = OrderedDict()
         self._voice_lock = threading.Lock()
         self._default_voice: Any = None
@@ -110,8 +112,6 @@ class ChatTTSEngine:
         transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
         warnings.filterwarnings("ignore", message=".*past_key_values.*")
 
-        from .checkpoint import apply_overrides, ensure_default_checkpoint, is_random_checkpoint
-
         cfg = self.config
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -119,34 +119,8 @@ class ChatTTSEngine:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         else:
             self.device = cfg.device
-        chat = Chat(logger=logging.getLogger("rtts.chattts.core"))
-        source = cfg.source
-        path: Path | None = cfg.model_dir
-        if source == "auto":
-            if path is None:
-                path = default_model_dir()
-                logger.warning("no model configured: using the embedded default, a tiny "
-                               "RANDOM-WEIGHT checkpoint at %s (it speaks noise)", path)
-                ensure_default_checkpoint(path)
-            source = "custom"
-        if source == "custom":
-            if path is None or not path.is_dir():
-                raise FileNotFoundError(f"model directory {path} does not exist")
-            if is_random_checkpoint(path):
-                self.random_weights = True
-                logger.warning("loading RANDOM-WEIGHT checkpoint %s: real ChatTTS code, "
-                               "noise for a voice; for tests and benchmarks only", path)
-                apply_overrides(chat, path)
-            ok = chat.load(source="custom", custom_path=str(path), device=torch.device(self.device),
-                           compile=cfg.compile)
-        elif source == "huggingface":
-            ok = chat.load(source="huggingface", device=torch.device(self.device),
-                           compile=cfg.compile)
-        else:
-            raise ValueError(f"unknown model source {source!r}")
-        if not ok:
-            raise RuntimeError(f"ChatTTS could not load the model from {path or source}: "
-                               "assets missing or sha256 check failed (see log above)")
+        chat, found = self._load_first(Chat, torch)
+        path = found.path
         if self.bake_weight_norm:
             _bake_weight_norm(chat)
         if self.select_kernels:
@@ -155,12 +129,58 @@ class ChatTTSEngine:
                 device="cpu" if self.device == "cpu" else "cuda",
                 force=None if cfg.kernels == "auto" else cfg.kernels)
         self.chat = chat
-        self.model_path = str(path) if path else source
-        self.identity = f"{self.name}:{_identity(cfg, path, source)}"
+        self.model_path = str(path)
+        self.random_weights = found.kind == "random"
+        digest = _identity(cfg, path, "custom")
+        self.identity = f"{self.name}:{digest}"
+        self.weights = {
+            "kind": found.kind, "source": found.source,
+            "identity": (f"{found.repo}@{found.revision}" if found.repo and found.revision
+                         else f"sha256:{digest}"),
+        }
+        if found.kind == "random":
+            logger.warning("serving RANDOM weights from %s: real ChatTTS code, noise for a "
+                           "voice; for tests and benchmarks only", path)
+        else:
+            logger.info("serving real ChatTTS weights %s (%s, %s)", self.weights["identity"],
+                        found.source, path)
         self._default_voice = self._voice_tensor(f"seed:{cfg.default_voice_seed}")
+
+    def _load_first(self, chat_class: Any, torch: Any) -> tuple[Any, Any]:
+        """The first weights of :func:`rtts.engines.weights.candidates` that load (sha256
+        checked by ChatTTS); a candidate that fails is logged and the next one tried."""
+        from .checkpoint import apply_overrides
+        from .weights import candidates
+
+        cfg = self.config
+        reasons = []
+        for found in candidates(cfg.source, cfg.model_dir):
+            path = found.path
+            if not path.is_dir():
+                reasons.append(f"{path}: no such directory")
+                logger.warning("model directory %s does not exist", path)
+                continue
+            chat = chat_class(logger=logging.getLogger("rtts.chattts.core"))
+            if found.kind == "random":
+                apply_overrides(chat, path)
+            t0 = time.monotonic()
+            logger.info("loading %s ChatTTS weights from %s (%s) on %s ...", found.kind,
+                        path, found.source, self.device)
+            if chat.load(source="custom", custom_path=str(path),
+                         device=torch.device(self.device), compile=cfg.compile):
+                logger.info("weights loaded in %.1fs", time.monotonic() - t0)
+                return chat, found
+            reasons.append(f"{path}: assets missing or sha256 check failed")
+            logger.warning("could not load the weights in %s: assets missing or sha256 "
+                           "check failed (see the log above)%s", path,
+                           "" if cfg.source in ("custom", "random") else "; trying the next "
+                           "source")
+        raise RuntimeError("ChatTTS could not load a model: " + "; ".join(reasons or
+                           ["no source left"]))
 
     def warmup(self) -> None:
         """One short generation: numba JIT, allocator and kernel warm-up."""
+        logger.info("warming up (one short generation: JIT, allocator, kernels) ...")
         for _ in self.generate([SynthRequest("warm up, 你好。", SynthParams(),
                                              max_new_token=2 * self.config.stream_tokens)]):
             pass

@@ -14,7 +14,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-__all__ = ["cuda_linked_torchaudio_libs", "run_doctor"]
+__all__ = ["cuda_linked_torchaudio_libs", "report_weights", "run_doctor"]
 
 
 def _torchaudio_lib_dir() -> Path | None:
@@ -35,6 +35,42 @@ def cuda_linked_torchaudio_libs() -> list[Path]:
         return []
     # The NEEDED entries of the dynamic section are plain strings in the file.
     return [so for so in sorted(lib_dir.glob("*.so")) if b"libtorch_cuda" in so.read_bytes()]
+
+
+def report_weights() -> None:
+    """Where ``rtts serve`` (no model configured) would find weights, in its order. Only
+    looks at directories: no network, nothing loaded."""
+    import os
+
+    from .config import default_model_dir
+    from .engines.checkpoint import is_random_checkpoint
+    from .engines.weights import (
+        HF_REPO,
+        has_assets,
+        hf_cache_dir,
+        hf_cached_snapshot,
+        hub_endpoint,
+        local_weights_dir,
+    )
+
+    local = local_weights_dir()
+    if has_assets(local):
+        kind = "random" if is_random_checkpoint(local) else "real"
+        print(f"ok  weights: {local} ({kind}; `rtts serve` loads these)")
+        return
+    print(f"--  weights: nothing in {local}")
+    cached = hf_cached_snapshot()
+    if cached is not None:
+        print(f"ok  weights: {HF_REPO}@{cached.revision} in the Hugging Face cache "
+              f"{cached.path} (`rtts serve` loads these)")
+        return
+    print(f"--  weights: no {HF_REPO} snapshot in the Hugging Face cache {hf_cache_dir()}")
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        print("--  weights: HF_HUB_OFFLINE is set: no download")
+    else:
+        print(f"--  weights: `rtts serve` will try to download {HF_REPO} from "
+              f"{hub_endpoint()} (~1.1 GB), else use the random checkpoint")
+    print(f"--  weights: random fallback: {default_model_dir()} (speaks noise)")
 
 
 def run_doctor(fix: bool = False) -> int:
@@ -69,6 +105,7 @@ def run_doctor(fix: bool = False) -> int:
         except Exception as exc:  # report any import failure, that is the point here
             print(f"PROBLEM import ChatTTS: {type(exc).__name__}: {exc}")
             problems += 1
+    report_weights()
     print("all good" if not problems else f"{problems} problem(s)")
     return 0 if not problems else 1
 

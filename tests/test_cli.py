@@ -1,0 +1,177 @@
+"""The command line explains itself: --version, help and an RTTS_* variable for every flag,
+defaults shown, --config rtts.toml, and one clear line with exit status 2 (never a
+traceback) for a user's mistake. The mistakes run ``python -m rtts`` as a real process."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rtts import __version__
+from rtts.cli import build_parser, config_from_args
+from rtts.cliconf import env_name, option_actions
+
+
+def rtts(*args: str, env: dict[str, str] | None = None,
+         timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RTTS_")}
+    return subprocess.run([sys.executable, "-m", "rtts", *args], capture_output=True,
+                          text=True, env={**clean, **(env or {})}, timeout=timeout)
+
+
+def subparser(parser: argparse.ArgumentParser, *path: str) -> argparse.ArgumentParser:
+    for name in path:
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = action.choices[name]
+    return parser
+
+
+def all_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    out = [parser]
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in dict.fromkeys(a.choices.values()):
+                out += all_parsers(sub)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_rtts_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith("RTTS_"):
+            monkeypatch.delenv(key)
+
+
+def test_every_serve_flag_has_help_a_variable_and_a_shown_default():
+    parser = build_parser()
+    serve = subparser(parser, "serve")
+    actions = option_actions(serve)
+    assert len(actions) > 30
+    text = serve.format_help()
+    names = set()
+    for action in actions:
+        assert action.help and action.help.strip(), f"{action.option_strings} has no help"
+        env = env_name(serve, action)
+        assert env.startswith("RTTS_") and env not in names
+        names.add(env)
+        assert f"env {env}" in " ".join(text.split()), f"--help does not show {env}"
+    assert "default: 8765; env RTTS_PORT" in " ".join(text.split())
+    assert {"RTTS_PORT", "RTTS_MAX_QUEUE", "RTTS_API_KEYS", "RTTS_CACHE_REDIS",
+            "RTTS_VOICES_DIR", "RTTS_INSTANCE_ID", "RTTS_SOURCE"} <= names
+
+
+def test_every_command_parses_defaults_from_its_own_variables():
+    """The mechanism reaches flags of every command, not just serve: each option's
+    variable is distinct within its command."""
+    for p in all_parsers(build_parser()):
+        envs = [env_name(p, a) for a in option_actions(p)]
+        assert len(envs) == len(set(envs)), p.prog
+        assert all(e.startswith("RTTS_") for e in envs)
+    bench = subparser(build_parser(), "bench", "fake")
+    assert env_name(bench, next(a for a in option_actions(bench) if a.dest == "streams")) \
+        == "RTTS_BENCH_FAKE_STREAMS"
+
+
+def test_environment_sets_flags_and_the_command_line_wins(monkeypatch):
+    monkeypatch.setenv("RTTS_PORT", "9100")
+    monkeypatch.setenv("RTTS_ENGINE", "fake")
+    monkeypatch.setenv("RTTS_API_KEYS", "k1, k2")
+    monkeypatch.setenv("RTTS_ALLOWED_ORIGIN", "https://a.example,https://b.example")
+    monkeypatch.setenv("RTTS_SLOW_CLIENT_TIMEOUT", "3.5")
+    monkeypatch.setenv("RTTS_MAX_PROTOCOL_ERRORS", "7")
+    args = build_parser().parse_args(["serve", "--port", "9200"])
+    assert args.port == 9200 and args.engine == "fake"
+    cfg = config_from_args(args)
+    assert cfg.auth.api_keys == ("k1", "k2")
+    assert cfg.auth.allowed_origins == ("https://a.example", "https://b.example")
+    assert cfg.slow_client_timeout_s == 3.5 and cfg.max_protocol_errors == 7
+
+
+def test_config_file_mirrors_the_flags(tmp_path, monkeypatch):
+    conf = tmp_path / "rtts.toml"
+    conf.write_text('log-level = "debug"\n[serve]\nport = 9300\nengine = "fake"\n'
+                    'max_queue = 5\napi-key = ["a", "b"]\nshutdown-grace = 30\n'
+                    '[bench.fake]\nstreams = 3\n')
+    args = build_parser().parse_args(["serve", "--config", str(conf), "--max-queue", "6"])
+    assert (args.log_level, args.port, args.engine, args.max_queue, args.api_key,
+            args.shutdown_grace) == ("DEBUG", 9300, "fake", 6, ["a", "b"], 30.0)
+    monkeypatch.setenv("RTTS_PORT", "9400")  # the environment beats the file
+    args = build_parser().parse_args([f"--config={conf}", "bench", "fake"])
+    assert args.streams == 3
+    monkeypatch.setenv("RTTS_CONFIG", str(conf))
+    assert build_parser().parse_args(["serve"]).port == 9400
+
+
+def test_version():
+    out = rtts("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"rtts {__version__}"
+
+
+def test_top_level_help_is_plain_text():
+    out = rtts("--help")
+    assert out.returncode == 0
+    assert "``" not in out.stdout and "rtts serve" in out.stdout and "RTTS_CONFIG" in out.stdout
+
+
+@pytest.mark.parametrize(("args", "env", "says"), [
+    (["--log-level", "bogus", "doctor"], {}, "invalid choice: 'BOGUS'"),
+    (["model"], {}, "missing command: choose one of make-random"),
+    ([], {}, "missing command: choose one of serve"),
+    (["serve", "--source", "custom"], {}, "--source custom needs --model-dir"),
+    (["serve", "--model-dir", "/no/such/dir"], {}, "--model-dir /no/such/dir: no such"),
+    (["serve", "--port", "http"], {}, "argument --port: invalid int value"),
+    (["serve", "--port", "70000"], {}, "--port must be at most 65535"),
+    (["serve"], {"RTTS_PORT": "abc"}, "RTTS_PORT='abc': invalid int value"),
+    (["serve"], {"RTTS_BATCHING": "sometimes"}, "RTTS_BATCHING='sometimes': invalid choice"),
+    (["serve", "--config", "/no/such.toml"], {}, "--config /no/such.toml: No such file"),
+    (["serve", "--nope"], {}, "unrecognized arguments: --nope"),
+])
+def test_user_mistakes_are_one_line_and_exit_2(args, env, says):
+    out = rtts(*args, env=env)
+    assert out.returncode == 2, out
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert says in lines[0]
+
+
+def test_bad_config_file_is_one_line(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[serve]\nport = 'x'\n")
+    out = rtts("--config", str(bad), "serve")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert f"{bad}: port: invalid int value" in out.stderr
+    bad.write_text("[serve]\nprot = 1\n")
+    out = rtts("serve", "--config", str(bad))
+    assert out.returncode == 2 and "unknown setting 'prot'" in out.stderr
+    bad.write_text("[serve\n")
+    out = rtts("serve", "--config", str(bad))
+    assert out.returncode == 2 and "not valid TOML" in out.stderr
+
+
+def test_make_random_into_an_unwritable_place_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = rtts("model", "make-random", str(blocker / "dir"), timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("rtts model make-random: error:")
+
+
+def test_help_of_every_command_works():
+    for path in (["serve"], ["model"], ["model", "make-random"], ["doctor"], ["bench"]):
+        parser = subparser(build_parser(), *path)
+        text = parser.format_help()
+        assert "usage: rtts" in text and "%(" not in text
+
+
+def test_serve_config_reaches_the_server_config(tmp_path):
+    conf = tmp_path / "rtts.toml"
+    conf.write_text("[serve]\nengine = \"fake\"\nmax-contexts = 3\nmax-lead = 0\n")
+    cfg = config_from_args(build_parser().parse_args(["--config", str(conf), "serve"]))
+    assert cfg.engine.name == "fake" and cfg.limits.max_contexts == 3 and cfg.max_lead_s is None
+    assert isinstance(cfg.web_dir, (Path, type(None)))

@@ -13,12 +13,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 "${PIP[@]}" install -q -U pip
-read -r -a TORCH_ARGS <<< "$(.venv/bin/python scripts/select_torch.py)"
-if [ "${#TORCH_ARGS[@]}" -gt 0 ]; then
-  echo "installing torch: pip install ${TORCH_ARGS[*]}"
-  "${PIP[@]}" install -q --timeout "${RTTS_PIP_TIMEOUT:-30}" --retries 2 -c constraints.txt \
-    "${TORCH_ARGS[@]}"
-fi
+.venv/bin/python scripts/select_torch.py --install
 "${PIP[@]}" install -q -c constraints.txt -e '.[chattts,redis,test]'
 # torchaudio's CUDA-linked extension libraries cannot load beside a CPU torch; ChatTTS only
 # needs its pure-Python parts. `rtts doctor --fix` moves them aside (only when torch has no CUDA).

@@ -5,7 +5,9 @@ Used by scripts/install.sh (``make install``); standard library only, runs in se
 downloads nothing. stdout is one line: the arguments to ``pip install`` torch with (empty:
 the right torch is already installed); stderr says what was chosen and why.
 
-    python3 scripts/select_torch.py                 # as make install runs it
+    python scripts/select_torch.py              # print pip's arguments (or nothing)
+    python scripts/select_torch.py --install    # and run pip with them, into this Python
+                                                # (as make install does, in .venv)
 
 Which build:
 * ``RTTS_TORCH=auto`` (default): an NVIDIA GPU that ``nvidia-smi -L`` lists -> a CUDA build
@@ -138,8 +140,9 @@ def choose() -> tuple[list[str], list[str]]:
         notes.append(f"RTTS_TORCH={want}")
 
     index = os.environ.get("RTTS_TORCH_INDEX") or None
+    label = None  # PyTorch's indexes name each build with a local version label (+cpu)
     if index is None and build == "cpu":
-        index = f"{base}/cpu"
+        index, label = f"{base}/cpu", "cpu"
     elif index is None and build == "cuda":
         cuda = found[1] if found else None
         tag = next((t for t, need in CUDA_BUILDS if cuda is None or cuda >= need), None)
@@ -147,9 +150,9 @@ def choose() -> tuple[list[str], list[str]]:
             notes.append(f"the driver supports CUDA {cuda[0]}.{cuda[1]} only (older than "
                          f"{CUDA_BUILDS[-1][0]}): the CPU build instead; update the driver "
                          "or set RTTS_TORCH_INDEX")
-            build, index = "cpu", f"{base}/cpu"
+            build, index, label = "cpu", f"{base}/cpu", "cpu"
         else:
-            index = f"{base}/{tag}"
+            index, label = f"{base}/{tag}", tag
             if cuda is not None:
                 notes.append(f"driver supports CUDA {cuda[0]}.{cuda[1]}: {tag}")
 
@@ -167,17 +170,27 @@ def choose() -> tuple[list[str], list[str]]:
                          f"back to pip's own configuration for torch=={version} (a local "
                          "wheel directory or mirror if `pip config list` has one; otherwise "
                          "PyPI's default build, which on Linux x86_64 is a CUDA build)")
-            index = None
+            index = label = None
     args = ["--index-url", index] if index else []
-    return [*args, f"torch=={version}"], notes
+    # With the label, an installed torch of another build does not satisfy the pin.
+    return [*args, f"torch=={version}+{label}" if label else f"torch=={version}"], notes
 
 
 def main() -> int:
+    install = "--install" in sys.argv[1:]
     args, notes = choose()
     for note in notes:
         say(note)
-    print(" ".join(args))
-    return 0
+    if not install:
+        print(" ".join(args))
+        return 0
+    if not args:
+        return 0
+    timeout = os.environ.get("RTTS_PIP_TIMEOUT", "30")
+    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q",
+           "--timeout", timeout, "--retries", "2", "-c", str(ROOT / "constraints.txt"), *args]
+    say("pip install " + " ".join(args))
+    return subprocess.call(cmd)
 
 
 if __name__ == "__main__":

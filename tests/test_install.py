@@ -93,7 +93,7 @@ def select(tmp_path: Path, smi: str | None, **env: str) -> tuple[list[str], str,
 def test_no_gpu_takes_the_cpu_index(tmp_path, index):
     url, seen = index
     args, why, took = select(tmp_path, NO_DEVICE_SMI, RTTS_TORCH_INDEX_BASE=url)
-    assert args == ["--index-url", f"{url}/cpu", f"torch=={PIN}"]
+    assert args == ["--index-url", f"{url}/cpu", f"torch=={PIN}+cpu"]
     assert "no NVIDIA GPU" in why and took < 10
     assert "/whl/cpu/torch/" in seen  # probed, nothing more
 
@@ -101,7 +101,8 @@ def test_no_gpu_takes_the_cpu_index(tmp_path, index):
 def test_gpu_takes_the_cuda_index_for_the_driver(tmp_path, index):
     url, _ = index
     args, why, _ = select(tmp_path, NVIDIA_SMI.format(cuda="12.8"), RTTS_TORCH_INDEX_BASE=url)
-    assert args == ["--index-url", f"{url}/cu128", f"torch=={PIN}"]
+    # the label makes pip replace an installed CPU build of the same version
+    assert args == ["--index-url", f"{url}/cu128", f"torch=={PIN}+cu128"]
     assert "NVIDIA GPU found (NVIDIA H200)" in why
     args, _, _ = select(tmp_path, NVIDIA_SMI.format(cuda="13.0"), RTTS_TORCH_INDEX_BASE=url)
     assert args[1] == f"{url}/cu130"
@@ -153,6 +154,20 @@ def test_bad_choice_is_one_clear_line(tmp_path):
 
 def test_install_script_uses_the_selection():
     script = (ROOT / "scripts" / "install.sh").read_text()
-    assert "scripts/select_torch.py" in script
-    torch_step = script.index("TORCH_ARGS[@]}\"")
+    torch_step = script.index("scripts/select_torch.py --install")
     assert torch_step < script.index("-e '.[chattts")  # torch first, then the rest
+
+
+def test_install_mode_with_torch_present_runs_no_pip(tmp_path):
+    """--install when the pinned build is there: exits 0 at once without calling pip."""
+    if "+cu" in pytest.importorskip("importlib.metadata").version("torch"):
+        pytest.skip("this venv has a CUDA torch")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RTTS_TORCH")}
+    env["PATH"] = f"{bindir}{os.pathsep}{env['PATH']}"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--install"], capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert proc.returncode == 0 and "already installed" in proc.stderr
+    assert "pip install" not in proc.stderr and time.monotonic() - t0 < 5

@@ -25,6 +25,7 @@ import argparse
 import contextvars
 import os
 import sys
+import textwrap
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -107,6 +108,14 @@ class Parser(argparse.ArgumentParser):
 
     def format_help(self) -> str:
         self._annotate()
+        words = self.prog.split()[1:]
+        if words and self.epilog is None and option_actions(self):
+            table = ".".join(words)
+            self.epilog = textwrap.fill(f"Each option also reads the variable shown and the key of its "
+                           f"name in the [{table}] table of a TOML file given with "
+                           f"`rtts --config FILE {' '.join(words)}` (or `{self.prog} --config "
+                           "FILE`, or RTTS_CONFIG). A flag wins over the variable, the "
+                           "variable over the file.", width=88)
         return super().format_help()
 
     # -- parsing --------------------------------------------------------------------------

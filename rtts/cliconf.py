@@ -111,11 +111,11 @@ class Parser(argparse.ArgumentParser):
         words = self.prog.split()[1:]
         if words and self.epilog is None and option_actions(self):
             table = ".".join(words)
-            self.epilog = textwrap.fill(f"Each option also reads the variable shown and the key of its "
-                           f"name in the [{table}] table of a TOML file given with "
-                           f"`rtts --config FILE {' '.join(words)}` (or `{self.prog} --config "
-                           "FILE`, or RTTS_CONFIG). A flag wins over the variable, the "
-                           "variable over the file.", width=88)
+            text = (f"Each option also reads the variable shown and the key of its name in "
+                    f"the [{table}] table of a TOML file given with `rtts --config FILE "
+                    f"{' '.join(words)}` (or `{self.prog} --config FILE`, or RTTS_CONFIG). A "
+                    "flag wins over the variable, the variable over the file.")
+            self.epilog = textwrap.fill(text, width=88)
         return super().format_help()
 
     # -- parsing --------------------------------------------------------------------------

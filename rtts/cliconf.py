@@ -115,7 +115,7 @@ class Parser(argparse.ArgumentParser):
                     f"the [{table}] table of a TOML file given with `rtts --config FILE "
                     f"{' '.join(words)}` (or `{self.prog} --config FILE`, or RTTS_CONFIG). A "
                     "flag wins over the variable, the variable over the file.")
-            self.epilog = textwrap.fill(text, width=88)
+            self.epilog = textwrap.fill(text, width=88, break_on_hyphens=False)
         return super().format_help()
 
     # -- parsing --------------------------------------------------------------------------

@@ -275,8 +275,12 @@ async def test_drain_lets_a_streaming_speech_body_finish_and_refuses_new_ones():
                     shutdown = asyncio.create_task(app.drain_and_close())
                     await asyncio.sleep(0.05)
                     assert app.state == "draining"
-                    with pytest.raises(openai.APIConnectionError):  # not accepting
-                        await other.models.list()
+                    # still answering, but refusing new speech (test_drain.py)
+                    with pytest.raises(openai.APIStatusError) as refused:
+                        await other.audio.speech.create(model="tts-1", voice="ash",
+                                                        input="Too late.")
+                    assert refused.value.status_code == 503
+                    assert refused.value.response.headers["retry-after"]
             assert shutdown is not None
         body = b"".join(chunks)
         assert len(body) / 2 / 24000 > 3.0  # the whole clip, not cut at the drain

@@ -192,7 +192,10 @@ class Parser(argparse.ArgumentParser):
                 known = by_key.get(key)
                 if known is None:
                     self.error(f"{path}: unknown setting {key!r} for `{self.prog}`")
-                chosen[id(known)] = (known, self._coerce(known, raw, f"{path}: {key}"))
+                value = self._coerce(known, raw, f"{path}: {key}")
+                if _negates(known, key):  # `no-cache = true` in the file: --no-cache given
+                    value = not value
+                chosen[id(known)] = (known, value)
         for action in option_actions(self):
             env = getattr(action, "rtts_env", None)
             if env is not None and env in os.environ:
@@ -203,14 +206,25 @@ class Parser(argparse.ArgumentParser):
     def _coerce(self, action: argparse.Action, raw: Any, origin: str) -> Any:
         """A value from the environment (a string) or the file (TOML types) as the option
         would have parsed it; errors name where it came from."""
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if isinstance(action, argparse._CountAction):
+            try:
+                return int(raw)
+            except (TypeError, ValueError):
+                self.error(f"{origin}: expected a count")
+        if action.nargs == 0:  # a switch: the value names the option's own setting
             if isinstance(raw, bool):
-                return raw
-            word = str(raw).strip().lower()
-            if word in _TRUE | _FALSE:
-                return word in _TRUE
-            self.error(f"{origin}: expected true or false")
-        if isinstance(action, argparse._AppendAction):
+                flag = raw
+            elif (word := str(raw).strip().lower()) in _TRUE | _FALSE:
+                flag = word in _TRUE
+            else:
+                self.error(f"{origin}: expected true or false")
+            if isinstance(action, argparse._StoreConstAction) and not isinstance(
+                    action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+                return action.const if flag else action.default
+            return flag
+        many = isinstance(action, argparse._AppendAction) or action.nargs in ("*", "+") \
+            or (isinstance(action.nargs, int) and action.nargs > 1)
+        if many:
             items = raw if isinstance(raw, list) else [
                 p.strip() for p in str(raw).split(",") if p.strip()]
             return [self._one(action, item, origin) for item in items]
@@ -232,6 +246,17 @@ class Parser(argparse.ArgumentParser):
             choices = ", ".join(map(str, action.choices))
             self.error(f"{origin}: invalid choice {value!r} (choose from {choices})")
         return value
+
+
+def _negates(action: argparse.Action, key: str) -> bool:
+    """A file key naming a switch that turns its setting off (``--no-cache``, the ``--no-``
+    form of ``--color/--no-color``): its value says whether the switch is given, so the
+    setting is the opposite. Environment variables are named after the setting (its dest),
+    so they never negate."""
+    if isinstance(action, argparse._StoreFalseAction):
+        return True
+    return isinstance(action, argparse.BooleanOptionalAction) \
+        and key.replace("_", "-").startswith("no-")
 
 
 def _take_config(argv: list[str]) -> tuple[list[str], str | None]:

@@ -175,3 +175,37 @@ def test_serve_config_reaches_the_server_config(tmp_path):
     cfg = config_from_args(build_parser().parse_args(["--config", str(conf), "serve"]))
     assert cfg.engine.name == "fake" and cfg.limits.max_contexts == 3 and cfg.max_lead_s is None
     assert isinstance(cfg.web_dir, (Path, type(None)))
+
+
+def test_mechanism_covers_every_kind_of_option(monkeypatch, tmp_path):
+    """A flag someone adds later, of any argparse kind, reads its variable and file key."""
+    from rtts.cliconf import Parser
+
+    def parser() -> Parser:
+        p = Parser(prog="rtts")
+        s = p.add_subparsers(dest="command").add_parser("serve")
+        s.add_argument("--no-cache", dest="cache", action="store_false", help="h")
+        s.add_argument("--fast", action="store_const", const="yes", default="no", help="h")
+        s.add_argument("-v", action="count", default=0, help="h")
+        s.add_argument("--names", nargs="+", default=[], help="h")
+        s.add_argument("--color", action=argparse.BooleanOptionalAction, default=True,
+                       help="h")
+        s.add_argument("--ratio", type=float, default=1.0, help="h")
+        return p
+
+    monkeypatch.setenv("RTTS_CACHE", "false")
+    monkeypatch.setenv("RTTS_FAST", "1")
+    monkeypatch.setenv("RTTS_V", "2")
+    monkeypatch.setenv("RTTS_NAMES", "a, b")
+    monkeypatch.setenv("RTTS_COLOR", "no")
+    args = parser().parse_args(["serve"])
+    assert (args.cache, args.fast, args.v, args.names, args.color) == (
+        False, "yes", 2, ["a", "b"], False)
+    for key in ("RTTS_CACHE", "RTTS_FAST", "RTTS_V", "RTTS_NAMES", "RTTS_COLOR"):
+        monkeypatch.delenv(key)
+    conf = tmp_path / "c.toml"
+    conf.write_text("[serve]\nno-cache = true\nnames = [\"x\"]\nratio = 2\nno-color = true\n")
+    args = parser().parse_args(["--config", str(conf), "serve"])
+    assert (args.cache, args.names, args.ratio, args.color) == (False, ["x"], 2.0, False)
+    args = parser().parse_args(["--config", str(conf), "serve", "--color"])
+    assert args.color is True  # the flag wins

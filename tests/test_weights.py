@@ -7,6 +7,7 @@ tiny random checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import shutil
@@ -28,6 +29,7 @@ from rtts.engines.weights import (
     candidates,
     hf_cached_snapshot,
     probe_hub,
+    snapshot_sha256_map,
 )
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -65,12 +67,16 @@ def fake_weights(dest: Path, source: Path) -> Path:
 
 def hf_layout(hf_home: Path, source: Path, revision: str = REVISION) -> Path:
     """models--2Noise--ChatTTS/{blobs,refs/main,snapshots/REV/...} with snapshot files as
-    symlinks into blobs/, as huggingface_hub lays them out."""
+    symlinks into blobs/, as huggingface_hub lays them out: weights (LFS) blobs named by
+    their sha256, small files by their git object id."""
     root = hf_home / "hub" / "models--2Noise--ChatTTS"
     snap = root / "snapshots" / revision
     for file in sorted(p for p in source.rglob("*") if p.is_file()):
         rel = file.relative_to(source)
-        blob = root / "blobs" / f"{abs(hash(str(rel))):x}"
+        data = file.read_bytes()
+        name = (hashlib.sha256(data).hexdigest() if file.suffix == ".safetensors" else
+                hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest())
+        blob = root / "blobs" / name
         blob.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(file, blob)
         (snap / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -110,6 +116,20 @@ def test_incomplete_hf_snapshot_is_skipped(homes, tiny_checkpoint):
     snap = hf_layout(homes["hf"], tiny_checkpoint)
     (snap / ASSET_FILES[0]).unlink()
     assert hf_cached_snapshot() is None
+
+
+def test_snapshot_table_is_the_hubs_content_addresses(homes, tiny_checkpoint):
+    snap = hf_layout(homes["hf"], tiny_checkpoint)
+    table = snapshot_sha256_map(snap)
+    gpt = snap / "asset" / "gpt" / "model.safetensors"
+    assert table["sha256_asset_gpt_model_safetensors"] == gpt.resolve().name \
+        == hashlib.sha256(gpt.read_bytes()).hexdigest()
+    config = snap / "asset" / "gpt" / "config.json"
+    assert table["sha256_asset_gpt_config_json"] == hashlib.sha256(
+        config.read_bytes()).hexdigest()
+    config.resolve().write_text("{}")  # a small file that is not what the hub published
+    with pytest.raises(ValueError, match="differs from what the hub published"):
+        snapshot_sha256_map(snap)
 
 
 def test_unreachable_hub_falls_back_to_random_within_seconds(homes, silent_hub, caplog):
@@ -220,6 +240,22 @@ async def test_reports_hf_cache_and_skips_a_corrupt_local_copy(homes, tiny_check
     assert info == ready == {"kind": "random", "source": "hf-cache",
                              "identity": f"2Noise/ChatTTS@{REVISION}"}
     assert "sha256" in caplog.text and "trying the next source" in caplog.text
+
+
+@pytest.mark.chattts
+async def test_corrupt_hub_blob_is_refused_then_random_fallback(homes, tiny_checkpoint,
+                                                                caplog):
+    """A weights blob whose content is not the sha256 it is named by fails ChatTTS's check
+    against the hub's table; with nothing else left, the random fallback serves."""
+    snap = hf_layout(homes["hf"], tiny_checkpoint)
+    blob = (snap / "asset" / "Vocos.safetensors").resolve()
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    caplog.set_level(logging.INFO, "rtts")
+    info, _, _ = await serve_and_report(engine_cfg())
+    assert info["source"] == "random-default"
+    assert "sha256" in caplog.text and str(snap) in caplog.text
 
 
 @pytest.mark.chattts

@@ -150,7 +150,7 @@ class ChatTTSEngine:
         """The first weights of :func:`rtts.engines.weights.candidates` that load (sha256
         checked by ChatTTS); a candidate that fails is logged and the next one tried."""
         from .checkpoint import apply_overrides
-        from .weights import candidates
+        from .weights import candidates, snapshot_sha256_map
 
         cfg = self.config
         reasons = []
@@ -163,6 +163,13 @@ class ChatTTSEngine:
             chat = chat_class(logger=logging.getLogger("rtts.chattts.core"))
             if found.kind == "random":
                 apply_overrides(chat, path)
+            if found.source in ("hf-cache", "download"):
+                try:  # check against what the hub published, not the package's table
+                    chat.sha256_map = snapshot_sha256_map(path)
+                except (OSError, ValueError) as exc:
+                    reasons.append(f"{path}: {exc}")
+                    logger.warning("skipping %s: %s", path, exc)
+                    continue
             t0 = time.monotonic()
             logger.info("loading %s ChatTTS weights from %s (%s) on %s ...", found.kind,
                         path, found.source, self.device)

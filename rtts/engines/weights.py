@@ -17,15 +17,19 @@ first of these that exists:
    :func:`rtts.config.default_model_dir`, with a loud warning (``"random-default"``).
 
 Every candidate is loaded with ``Chat.load(source="custom")``, which checks each file's
-sha256 against ChatTTS's own table (a random checkpoint carries its own table), so a
-corrupt or partial copy fails and the next candidate is tried. This module only finds
-candidates; it imports neither torch nor ChatTTS.
+sha256 against a table, so a corrupt or partial copy fails and the next candidate is tried.
+The table is ChatTTS's own for a local directory, the checkpoint's own for a random one, and
+for a hub snapshot the hub's: the cache names each large (LFS) file's blob by the sha256 of
+its content (:func:`snapshot_sha256_map`), so what is checked is what the hub published. This
+module only finds candidates; it imports neither torch nor ChatTTS.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -34,11 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from ..config import default_home, default_model_dir
+from .checkpoint import _FILES as SHA256_KEYS
 from .checkpoint import is_random_checkpoint
 
 __all__ = ["ASSET_FILES", "HF_REPO", "Candidate", "HubUnavailable", "candidates", "download",
            "has_assets", "hf_cache_dir", "hf_cached_snapshot", "hub_endpoint",
-           "local_weights_dir", "probe_hub"]
+           "local_weights_dir", "probe_hub", "snapshot_sha256_map"]
 
 logger = logging.getLogger("rtts.weights")
 
@@ -106,6 +111,29 @@ def hf_cached_snapshot(repo: str = HF_REPO, cache: Path | None = None) -> Candid
         if snap.is_dir() and has_assets(snap):
             return Candidate(snap, "hf-cache", repo, snap.name)
     return None
+
+
+def snapshot_sha256_map(snapshot: Path) -> dict[str, str]:
+    """The sha256 table (ChatTTS's ``sha256_map.json`` keys) that a hub snapshot's files must
+    match. A file whose cache blob is named by a sha256 (the hub's LFS files: the weights)
+    must hash to that name; a small file stored in git (the JSONs, blob named by its git
+    object id) is checked against that id here and its sha256 taken as is. Raises
+    :class:`ValueError` for a small file that differs from its git id."""
+    table = {}
+    for key, rel in SHA256_KEYS.items():
+        file = snapshot / rel
+        blob = file.resolve()
+        if blob.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{64}", blob.name):
+            table[key] = blob.name  # ChatTTS's check hashes the content against it
+            continue
+        data = file.read_bytes()
+        if blob.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{40}", blob.name):
+            git_id = hashlib.sha1(b"blob %d\0" % len(data) + data,  # noqa: S324 - git's id
+                                  usedforsecurity=False).hexdigest()
+            if git_id != blob.name:
+                raise ValueError(f"{rel} in {snapshot} differs from what the hub published")
+        table[key] = hashlib.sha256(data).hexdigest()
+    return table
 
 
 def hub_endpoint() -> str:

@@ -79,8 +79,8 @@ def test_make_targets_named_exist():
 
 
 def test_repository_paths_named_exist():
-    named = set(re.findall(r"`((?:tests|scripts|rtts|deploy|web)/[\w./-]+\.(?:py|sh|yaml|js))`",
-                           README))
+    top = "tests|scripts|rtts|deploy|web|bench-results"
+    named = set(re.findall(rf"`((?:{top})/[\w./-]+\.(?:py|sh|yaml|js|json))`", README))
     named |= set(re.findall(r"^((?:rtts|scripts)/[\w./]+\.py)\s", README, re.M))
     assert len(named) > 10
     missing = sorted(p for p in named if not (ROOT / p).exists())

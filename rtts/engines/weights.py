@@ -218,7 +218,8 @@ def candidates(source: str, model_dir: Path | None) -> Iterator[Candidate]:
         yield download()
     except HubUnavailable as exc:
         if source == "huggingface":
-            raise
+            raise HubUnavailable(f"--source huggingface: no {HF_REPO} snapshot in "
+                                 f"{hf_cache_dir()} and no download: {exc}") from None
         logger.warning("not downloading %s: %s", HF_REPO, exc)
     except Exception as exc:  # a failed download is one more reason to fall back
         if source == "huggingface":

@@ -28,6 +28,7 @@ from .auth import AuthConfig
 from .cache import CacheConfig
 from .cliconf import Parser
 from .config import EngineConfig, ServerConfig
+from .governor import GovernorConfig
 from .scheduler import SchedulerConfig
 from .session import SessionLimits
 
@@ -117,6 +118,23 @@ def build_parser() -> argparse.ArgumentParser:
                    default=ServerConfig.slow_client_timeout_s,
                    help="seconds the server waits for a client that stopped reading before "
                         "it closes the connection (4008)")
+    g = GovernorConfig()
+    for level in ("degrade", "reject"):
+        s.add_argument(f"--{level}-queue-depth", type=int,
+                       default=getattr(g, f"{level}_queue_depth") or 0,
+                       help=f"load governor: {level} at this many waiting segments per 4 batch "
+                            "slots (0 = ignore the queue)")
+        s.add_argument(f"--{level}-rss-mb", type=float,
+                       default=getattr(g, f"{level}_rss_mb") or 0,
+                       help=f"load governor: {level} above this process RSS, MB (0 = ignore)")
+        s.add_argument(f"--{level}-cpu-percent", type=float,
+                       default=getattr(g, f"{level}_cpu_percent") or 0,
+                       help=f"load governor: {level} above this machine CPU use, %% (0 = "
+                            "ignore; a CPU engine is busy by design)")
+        s.add_argument(f"--{level}-gpu-mem", type=float,
+                       default=getattr(g, f"{level}_gpu_mem_fraction") or 0,
+                       help=f"load governor: {level} above this fraction of GPU memory in use "
+                            "(CUDA; 0 = ignore)")
     s.add_argument("--max-lead", type=float, default=ServerConfig.max_lead_s,
                    help="seconds of audio sent ahead of estimated playback (0 = no pacing)")
     s.add_argument("--shutdown-grace", type=float, default=ServerConfig.shutdown_grace_s,
@@ -223,6 +241,16 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             first_segment_slots=args.first_segment_slots, later_hold_s=args.later_hold,
         ),
         limits=replace(base.limits, max_contexts=args.max_contexts),
+        governor=replace(
+            base.governor,
+            degrade_queue_depth=args.degrade_queue_depth or None,
+            reject_queue_depth=args.reject_queue_depth or None,
+            degrade_rss_mb=args.degrade_rss_mb or None, reject_rss_mb=args.reject_rss_mb or None,
+            degrade_cpu_percent=args.degrade_cpu_percent or None,
+            reject_cpu_percent=args.reject_cpu_percent or None,
+            degrade_gpu_mem_fraction=args.degrade_gpu_mem or None,
+            reject_gpu_mem_fraction=args.reject_gpu_mem or None,
+        ),
         instance_id=args.instance_id or base.instance_id,
         voices_dir=args.voices_dir or base.voices_dir,
         freeze_gc=True,

@@ -201,6 +201,16 @@ def test_serve_config_reaches_the_server_config(tmp_path):
     assert isinstance(cfg.web_dir, (Path, type(None)))
 
 
+def test_governor_thresholds_are_flags_with_the_documented_defaults(monkeypatch):
+    from rtts.config import ServerConfig
+
+    default = config_from_args(build_parser().parse_args(["serve"])).governor
+    assert default == ServerConfig().governor
+    monkeypatch.setenv("RTTS_DEGRADE_CPU_PERCENT", "90")
+    cfg = config_from_args(build_parser().parse_args(["serve", "--reject-queue-depth", "0"]))
+    assert cfg.governor.reject_queue_depth is None and cfg.governor.degrade_cpu_percent == 90
+
+
 def test_mechanism_covers_every_kind_of_option(monkeypatch, tmp_path):
     """A flag someone adds later, of any argparse kind, reads its variable and file key."""
     from rtts.cliconf import Parser

@@ -32,7 +32,7 @@ from .governor import GovernorConfig
 from .scheduler import SchedulerConfig
 from .session import SessionLimits
 
-__all__ = ["UsageError", "build_parser", "config_from_args", "main"]
+__all__ = ["ConfigError", "build_parser", "config_from_args", "main"]
 
 logger = logging.getLogger("rtts.cli")
 
@@ -40,8 +40,9 @@ logger = logging.getLogger("rtts.cli")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-class UsageError(ValueError):
-    """Flags that parse one by one but do not fit together (exit status 2, one line)."""
+class ConfigError(ValueError):
+    """A setting that cannot work, or flags that do not fit together: one clear line, exit
+    status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,27 +192,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
-    """Settings that parse one by one but do not fit together: :class:`UsageError`."""
+    """Settings that parse one by one but do not fit together: :class:`ConfigError`."""
     if args.source == "custom" and args.model_dir is None:
-        raise UsageError("--source custom needs --model-dir DIR (the ChatTTS weights)")
+        raise ConfigError("--source custom needs --model-dir DIR (the ChatTTS weights)")
     if args.model_dir is not None and args.source in ("huggingface", "random"):
-        raise UsageError(f"--model-dir does not go with --source {args.source}")
+        raise ConfigError(f"--model-dir does not go with --source {args.source}")
     for name in ("port", "max_message_bytes", "max_contexts", "max_queue", "max_batch_size",
                  "concurrency", "max_protocol_errors"):
         value = getattr(args, name)
         if value < (0 if name == "port" else 1):
-            raise UsageError(f"--{name.replace('_', '-')} must be "
+            raise ConfigError(f"--{name.replace('_', '-')} must be "
                              f"{'0 or more' if name == 'port' else 'at least 1'}")
     if args.port > 65535:
-        raise UsageError("--port must be at most 65535")
+        raise ConfigError("--port must be at most 65535")
 
 
 def check_serve_paths(args: argparse.Namespace) -> None:
     """The directories ``rtts serve`` was pointed at exist (checked before start-up)."""
     if args.model_dir is not None and not args.model_dir.is_dir():
-        raise UsageError(f"--model-dir {args.model_dir}: no such directory")
+        raise ConfigError(f"--model-dir {args.model_dir}: no such directory")
     if args.web_dir is not None and not (args.web_dir / "index.html").is_file():
-        raise UsageError(f"--web-dir {args.web_dir}: no index.html there")
+        raise ConfigError(f"--web-dir {args.web_dir}: no index.html there")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             config = config_from_args(args)
             check_serve_paths(args)
-        except UsageError as exc:
+        except ConfigError as exc:
             print(f"rtts serve: error: {exc} (see `rtts serve --help`)", file=sys.stderr)
             return 2
         try:

@@ -31,13 +31,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-__all__ = ["ENV_NAMES", "Parser", "env_name", "option_actions"]
+__all__ = ["ENV_NAMES", "Parser", "env_name", "is_secret", "option_actions"]
 
 # dest -> variable, where the variable existed before the generic rule
 ENV_NAMES = {"api_key": "RTTS_API_KEYS"}
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+
+# Options whose values must never be echoed (help defaults, error messages).
+_SECRET_WORDS = ("secret", "password", "api_key", "token_secret")
+
+
+def is_secret(action: argparse.Action) -> bool:
+    return any(word in action.dest for word in _SECRET_WORDS)
+
 
 # The TOML file being applied during one parse_args call (set by the top-level parser,
 # read by the sub-command parsers argparse invokes from inside it).
@@ -59,6 +67,8 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
             default = action.default
             if default is None or default == []:
                 extra.insert(0, "default: none")
+            elif is_secret(action):
+                extra.insert(0, "default: set, not shown")
             else:
                 extra.insert(0, "default: %(default)s")
         return f"{text} [{'; '.join(extra)}]" if text else f"[{'; '.join(extra)}]"
@@ -200,7 +210,8 @@ class Parser(argparse.ArgumentParser):
             env = getattr(action, "rtts_env", None)
             if env is not None and env in os.environ:
                 raw = os.environ[env]
-                chosen[id(action)] = (action, self._coerce(action, raw, f"{env}={raw!r}"))
+                origin = env if is_secret(action) else f"{env}={raw!r}"
+                chosen[id(action)] = (action, self._coerce(action, raw, origin))
         return list(chosen.values())
 
     def _coerce(self, action: argparse.Action, raw: Any, origin: str) -> Any:

@@ -243,3 +243,18 @@ def test_mechanism_covers_every_kind_of_option(monkeypatch, tmp_path):
     assert (args.cache, args.names, args.ratio, args.color) == (False, ["x"], 2.0, False)
     args = parser().parse_args(["--config", str(conf), "serve", "--color"])
     assert args.color is True  # the flag wins
+
+
+def test_secrets_are_never_echoed(monkeypatch, capsys):
+    """A secret from the environment shows neither in --help nor in an error message."""
+    from rtts.cliconf import Parser
+
+    p = Parser(prog="rtts")
+    s = p.add_subparsers(dest="command").add_parser("serve")
+    s.add_argument("--token-secret", default="s3cr3t-default-value", help="h")
+    s.add_argument("--api-key", action="append", default=[], help="h")
+    s.add_argument("--port", type=int, default=1, help="h")
+    text = " ".join(s.format_help().split())
+    assert "s3cr3t" not in text and "default: set, not shown; env RTTS_TOKEN_SECRET" in text
+    monkeypatch.setenv("RTTS_API_KEYS", "sk-live-123")
+    assert p.parse_args(["serve"]).api_key == ["sk-live-123"]

@@ -91,6 +91,7 @@ class CancelContext:
 
     context_id: str
     stream: int
+    serial: int  # the context's never-reused number on this connection
 
 
 Action = SendEvent | StartContext | Synthesize | CancelContext
@@ -99,7 +100,7 @@ Action = SendEvent | StartContext | Synthesize | CancelContext
 @dataclass
 class ContextState:
     context_id: str
-    stream: int
+    stream: int  # the frame header's stream number: 1..65535, reused after wrapping
     params: SynthParams
     sample_rate: int
     segmenter: Segmenter
@@ -108,6 +109,7 @@ class ContextState:
     segments_done: int = 0
     audio_samples: int = 0  # at sample_rate, of finished segments
     ended: bool = False
+    serial: int = 0  # counts contexts on the connection; never wraps (unlike ``stream``)
     last_text_at: float = 0.0
     cache: bool = True
     format: str = "pcm16"  # of the binary frames (see rtts.codecs)
@@ -130,6 +132,7 @@ class Session:
         self.session_id = session_id
         self.contexts: dict[str, ContextState] = {}
         self._next_stream = 1
+        self._serial = 0
         self.protocol_errors = 0
         self.degraded = False  # set by the server from its load governor
 
@@ -162,7 +165,7 @@ class Session:
             )
         if isinstance(msg, CancelMessage):
             del self.contexts[ctx.context_id]
-            return [CancelContext(ctx.context_id, ctx.stream),
+            return [CancelContext(ctx.context_id, ctx.stream, ctx.serial),
                     SendEvent({"type": "cancelled", "context_id": ctx.context_id})]
         if ctx.ended:
             raise ProtocolError(f"context {ctx.context_id!r} has ended; no more input",
@@ -198,8 +201,13 @@ class Session:
         max_chars = msg.max_chunk_chars or self.limits.default_max_chunk_chars
         if self.degraded:
             max_chars = min(max_chars, self.limits.degraded_max_chunk_chars)
+        in_use = {c.stream for c in self.contexts.values()}
+        while self._next_stream in in_use:  # after wrapping, skip numbers still open
+            self._next_stream = self._next_stream % 65535 + 1
+        self._serial += 1
         ctx = ContextState(
             context_id=msg.context_id,
+            serial=self._serial,
             stream=self._next_stream,
             params=msg.params,
             sample_rate=msg.sample_rate,

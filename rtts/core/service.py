@@ -13,7 +13,7 @@ import asyncio
 import gc
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -50,6 +50,9 @@ class Stats:
     protocol_errors: int = 0
     rejected: int = 0
     auth_rejected: int = 0
+    # refusals by reason: unauthorized, forbidden_origin, quota, client_connections
+    auth_rejected_by: Counter[str] = field(default_factory=Counter)
+    idle_closed: int = 0  # WebSockets closed by the idle timeout
     frames_sent: int = 0
     audio_seconds_sent: float = 0.0
     http_requests: int = 0

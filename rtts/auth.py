@@ -186,7 +186,8 @@ class Authenticator:
         """Raise the :class:`AuthError` (429, with a computed ``retry_after_s``) that
         :meth:`admit` would raise now, without counting anything."""
         cfg = self.config
-        if cfg.max_sessions_per_key is not None and self.active[kid] >= cfg.max_sessions_per_key:
+        if (cfg.max_sessions_per_key is not None
+                and self.active.get(kid, 0) >= cfg.max_sessions_per_key):
             raise AuthError(429, f"at most {cfg.max_sessions_per_key} sessions per key",
                             CONCURRENCY_RETRY_S)
         if cfg.sessions_per_minute is not None:

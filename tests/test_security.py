@@ -335,6 +335,12 @@ async def test_odd_paths_and_tokens_are_4xx_without_tracebacks(
             _raw, port, "GET /v1/tts?text=hi&token=\u00e9.\u00e9 HTTP/1.1\r\nHost: x\r\n\r\n"
             .encode("latin-1"))
         assert answer[:12] in (b"HTTP/1.1 400", b"HTTP/1.1 401"), answer[:60]
+        good = {"Authorization": f"Bearer {KEY}"}
+        for query in ("sample_rate=999999999999999999999", "seed=abc", "temperature=nan",
+                      "top_K=-99999999999999"):
+            status, _, body = await asyncio.to_thread(
+                _get, f"http://127.0.0.1:{port}/v1/tts?text=hi&{query}", good)
+            assert status == 400 and json.loads(body)["error"]["param"] == query.split("=")[0]
         status, _, _ = await asyncio.to_thread(
             _get, f"http://127.0.0.1:{port}/v1/info", {"Authorization": "Bearer \u00e9"
                                                        .encode().decode("latin-1")})

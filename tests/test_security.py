@@ -341,6 +341,10 @@ async def test_odd_paths_and_tokens_are_4xx_without_tracebacks(
             status, _, body = await asyncio.to_thread(
                 _get, f"http://127.0.0.1:{port}/v1/tts?text=hi&{query}", good)
             assert status == 400 and json.loads(body)["error"]["param"] == query.split("=")[0]
+        for name in ([], {}, 5, None):  # found by schemathesis: a list name was a 500
+            status, _, body = await asyncio.to_thread(
+                _post, f"http://127.0.0.1:{port}/v1/voices", {"name": name, "seed": 1}, good)
+            assert status == 400, (name, body)
         status, _, _ = await asyncio.to_thread(
             _get, f"http://127.0.0.1:{port}/v1/info", {"Authorization": "Bearer \u00e9"
                                                        .encode().decode("latin-1")})

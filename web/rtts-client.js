@@ -234,6 +234,7 @@ export class RttsClient extends EventTarget {
     this._disposed = false;
     this._attempt = 0;
     this._connecting = false; // an attempt is in flight
+    this._playerReady = false;
     this._gen = 0; // bumps on close(): stale attempts and timers do nothing
     this._timer = null;
     this._queued = 0; // messages queued over all queued utterances
@@ -270,7 +271,6 @@ export class RttsClient extends EventTarget {
    * attempt is retried like any outage. Rejects once the client is `closed` (close(), a
    * permanent close code, or `retries` used up). */
   async open() {
-    if (this.player) await this.player.connect();
     if (this._disposed) throw new Error("client closed");
     if (this.state === "open") return this;
     this._closedByUser = false;
@@ -280,7 +280,7 @@ export class RttsClient extends EventTarget {
     if (this.state === "closed") {
       this.closedReason = null;
       this._setState(this.server ? "reconnecting" : "connecting");
-      this._attemptConnect();
+      this._startConnect();
     }
     return opened;
   }
@@ -302,9 +302,25 @@ export class RttsClient extends EventTarget {
     if (!this._connecting) {
       this.closedReason = null;
       if (this.state === "closed") this._setState(this.server ? "reconnecting" : "connecting");
-      this._attemptConnect();
+      this._startConnect();
     }
     return result;
+  }
+
+  /** Start the audio player (once), then the first attempt. */
+  async _startConnect() {
+    this._connecting = true;
+    if (this.player && !this._playerReady) {
+      try {
+        await this.player.connect();
+        this._playerReady = true;
+      } catch (err) {
+        this._connecting = false;
+        this._giveUp(`audio output failed: ${err?.message ?? err}`);
+        return;
+      }
+    }
+    if (!this._disposed) this._attemptConnect();
   }
 
   /** The browser came online or the tab became visible: do not wait out the backoff. */

@@ -4,6 +4,9 @@ Playback position: a client that reports it (the native ``playback`` message: ho
 the context's audio it has really played) is paced on its **reported** position, never
 extrapolated, so audio sent stays within ``max_lead_s`` of what the client says it has
 played, however slowly it plays (a stalled or throttled tab gets no more than the lead).
+On reported positions the lead is at least ``min_reported_lead_s`` (0.5 s): a client does not
+start a track before its prebuffer fills (the JS player's grows up to 400 ms), so a smaller
+lead could wait on a position that cannot move.
 Until a context has a report, the server estimates the position from the wall clock:
 playback starts with the first frame sent and runs in real time; if everything sent would
 already have played (the client ran dry), the clock restarts when more audio goes out.
@@ -25,8 +28,9 @@ class LeadPacer:
     cross a segment boundary together their backlogs interleave with live frames."""
 
     def __init__(self, max_lead_s: float | None, burst_s: float = 0.3,
-                 ramp: float | None = 2.0) -> None:
+                 ramp: float | None = 2.0, min_reported_lead_s: float = 0.5) -> None:
         self.max_lead_s = max_lead_s
+        self.min_reported_lead_s = min_reported_lead_s
         self.burst_s = burst_s
         self.ramp = ramp
         self._start: float | None = None
@@ -69,7 +73,10 @@ class LeadPacer:
         if self.max_lead_s is None:
             return 0.0
         lead = self.lead(now)
-        over = lead - self.max_lead_s
+        bound = self.max_lead_s
+        if self._reported_s is not None:
+            bound = max(bound, self.min_reported_lead_s)
+        over = lead - bound
         if over > 0:
             return over
         if self.ramp and lead > self.burst_s:

@@ -72,6 +72,18 @@ def test_pacer_uses_the_reported_position_without_extrapolating():
     assert p.played(0.0) == pytest.approx(1.5) and p.delay(0.0) == 0.0
 
 
+def test_reported_lead_never_starves_a_prebuffering_client():
+    # --max-lead 0.1 s, a client that waits for 400 ms before it starts playing: on its
+    # reports (0 ms played) the server still sends the 0.5 s floor, so playback can start
+    p = LeadPacer(0.1, ramp=None)
+    p.report(0.0)
+    sent = 0.0
+    while p.delay(0.0) == 0.0 and sent < 5.0:
+        p.sent(0.1, 0.0)
+        sent += 0.1
+    assert 0.5 <= sent <= 0.6 + 1e-9
+
+
 def _session_with_segments(timings: bool = False) -> tuple[Session, list[Chunk]]:
     s = Session()
     s.receive(StartMessage("a", SynthParams(), chunk_schedule=(4,), timings=timings), now=0.0)

@@ -75,16 +75,14 @@ function showState(detail) {
     } else {
       setServer(label, s.degraded ? "degraded" : "ok");
     }
-  } else if (detail.state === "reconnecting") {
+  } else if (detail.state === "reconnecting" || detail.state === "connecting") {
     const tickDown = () => {
       const left = c.retryAt === null ? 0 : Math.max(0, c.retryAt - Date.now());
-      setServer(left > 0 ? `reconnecting in ${(left / 1000).toFixed(1)} s` : "reconnecting…",
-                "waiting");
+      setServer(left > 0 ? `${detail.state} in ${(left / 1000).toFixed(1)} s`
+        : `${detail.state}…`, "waiting");
     };
     tickDown();
     countdown = setInterval(tickDown, 200);
-  } else if (detail.state === "connecting") {
-    setServer("connecting…", "waiting");
   } else {
     setServer(navigator.onLine === false ? "offline" : `offline · ${c.closedReason ?? ""}`,
               "down");

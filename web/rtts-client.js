@@ -325,7 +325,8 @@ export class RttsClient extends EventTarget {
 
   /** The browser came online or the tab became visible: do not wait out the backoff. */
   _wake() {
-    if (this.state === "reconnecting" && !this._connecting && !this._closedByUser) {
+    const waiting = this.state === "reconnecting" || this.state === "connecting";
+    if (waiting && !this._connecting && !this._closedByUser) {
       this._attemptConnect();
     }
   }
@@ -450,7 +451,9 @@ export class RttsClient extends EventTarget {
     this._timer = setTimeout(() => {
       if (gen === this._gen && !this._closedByUser) this._attemptConnect();
     }, delay);
-    this._setState("reconnecting", { delayMs: delay, code, lastError: reason ?? "" });
+    // `connecting` until the client has been open once, `reconnecting` after
+    this._setState(this.server ? "reconnecting" : "connecting",
+                   { delayMs: delay, code, lastError: reason ?? "" });
     this.dispatchEvent(new CustomEvent("reconnecting", {
       detail: { attempt: this._attempt, delayMs: delay, code } }));
   }

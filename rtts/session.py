@@ -224,6 +224,8 @@ class Session:
                 )
             ctx.last_text_at = now
             ctx.input.append(msg.text)
+            if len(ctx.input) > 256:  # one-character messages: keep one string, not 100k
+                ctx.input[:] = ["".join(ctx.input)]
             return self._queue(ctx, ctx.segmenter.push(msg.text))
         if isinstance(msg, FlushMessage):
             actions = self._queue(ctx, ctx.segmenter.flush())

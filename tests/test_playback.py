@@ -276,3 +276,16 @@ async def test_bad_playback_gets_errors_and_floods_close_1008():
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
         codes = {e["code"] for e in c.got.of("error")}
         assert "rate_limited" in codes
+
+
+def test_heard_text_of_character_by_character_input_stays_compact():
+    s = Session()
+    s.receive(StartMessage("a", SynthParams(), chunk_schedule=(4,)), now=0.0)
+    text = "Typed one character at a time, like live typing does. " * 20
+    for ch in text:
+        s.receive(TextMessage("a", ch), now=0.0)
+    ctx = s.contexts["a"]
+    assert len(ctx.input) <= 257
+    ctx.estimated_played_ms = 0.0
+    heard = s.heard(ctx)
+    assert heard["text_spoken"] == "" and heard["text_remaining"] == text

@@ -72,6 +72,7 @@ class ErrorCode(StrEnum):
     ENGINE_ERROR = "engine_error"
     TIMEOUT = "timeout"
     SHUTTING_DOWN = "shutting_down"
+    RATE_LIMITED = "rate_limited"  # a message kind sent faster than its documented rate
 
 
 class RttsError(Exception):

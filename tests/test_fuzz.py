@@ -33,6 +33,8 @@ message = st.one_of(
     st.builds(lambda c: {"type": "flush", "context_id": c}, st.sampled_from(CIDS)),
     st.builds(lambda c: {"type": "cancel", "context_id": c}, st.sampled_from(CIDS)),
     st.builds(lambda c: {"type": "end", "context_id": c}, st.sampled_from(CIDS)),
+    st.builds(lambda c, ms: {"type": "playback", "context_id": c, "played_ms": ms},
+              st.sampled_from(CIDS), st.one_of(st.floats(-10, 1e9), st.just("x"))),
     st.just({"type": "nonsense"}),
 )
 
@@ -156,9 +158,10 @@ async def test_socket_fuzz_leaves_server_healthy():
 
 
 def rng_message(r: random.Random) -> dict[str, object]:
-    kinds = ["start", "text", "flush", "cancel", "end", "bogus"]
+    kinds = ["start", "text", "flush", "cancel", "end", "playback", "bogus"]
     msg: dict[str, object] = {"type": r.choice(kinds), "context_id": r.choice(CIDS + ["!!"])}
-    for key in ("text", "temperature", "sample_rate", "top_K", "voice", "speed"):
+    for key in ("text", "temperature", "sample_rate", "top_K", "voice", "speed", "played_ms",
+                "buffered_ms", "timings"):
         if r.random() < 0.3:
             msg[key] = r.choice([None, -1, 0, 1.5, "x", [], {}, 10**9, "seed:1", 16000])
     return msg

@@ -53,6 +53,7 @@ from ..http import respond
 from ..pacing import LeadPacer
 from ..protocol import (
     SUPPORTED_FORMATS,
+    CancelMessage,
     FrameHeader,
     StartMessage,
     pack_frame,
@@ -63,6 +64,7 @@ from ..session import (
     Action,
     CancelContext,
     ContextState,
+    Playback,
     SendEvent,
     Session,
     StartContext,
@@ -294,6 +296,8 @@ class Connection:
                     message, max_text_chars=self.cfg.limits.max_text_chars_per_message)
                 if isinstance(msg, StartMessage):
                     self._check_start(msg)
+                elif isinstance(msg, CancelMessage):
+                    self._estimate_playback(msg.context_id)
                 actions = self.session.receive(msg)
             except ProtocolError as exc:
                 await self._protocol_error(exc, _peek_context(message))
@@ -304,6 +308,14 @@ class Connection:
     def _check_start(self, msg: StartMessage) -> None:
         self.app.check_admission()
         self.app.validate_params(msg.params)
+
+    def _estimate_playback(self, context_id: str) -> None:
+        """Before a cancel: the pacer's idea of the playback position, for a context whose
+        client never reported one (heard text is then estimated)."""
+        ctx = self.session.contexts.get(context_id)
+        pipeline = self.pipelines.get(context_id)
+        if ctx is not None and pipeline is not None:
+            ctx.estimated_played_ms = 1000.0 * pipeline.pacer.played(time.monotonic())
 
     def notify(self, event: dict[str, Any]) -> None:
         """Queue an event without waiting (server-state broadcasts); dropped if full."""
@@ -335,6 +347,10 @@ class Connection:
                 target = self.pipelines.get(action.context_id)
                 if target is not None:
                     target.add(action)
+            elif isinstance(action, Playback):
+                target = self.pipelines.get(action.context_id)
+                if target is not None:
+                    target.pacer.report(action.played_ms / 1000.0)
             elif isinstance(action, CancelContext):
                 self.app.stats.cancels += 1
                 self.dead_serials[action.serial] = None
@@ -453,7 +469,7 @@ class ContextPipeline:
                     self.app.stats.audio_seconds_sent += segment.total / ctx.sample_rate
                     await conn._apply(conn.session.segment_done(
                         ctx.context_id, event.index, self.chunks.pop(event.index),
-                        segment.total, segment.seq))
+                        segment.total, segment.seq, event.timings))
                     segment = None
                 elif isinstance(event, SegmentFailed):
                     self.chunks.pop(event.index, None)
@@ -500,7 +516,7 @@ class _SegmentOut:
             piece = samples[i:i + self.frame_len]
             wait = pacer.delay(time.monotonic())
             if wait > 0:
-                await asyncio.sleep(wait)
+                await _pace(pacer, wait)
                 if produced_at:  # pacing is not latency: count from the end of the wait
                     produced_at = time.monotonic()
             header = FrameHeader(ctx.stream, self.index, self.seq)
@@ -525,7 +541,7 @@ class _SegmentOut:
             return
         wait = p.pacer.delay(time.monotonic())
         if wait > 0:
-            await asyncio.sleep(wait)
+            await _pace(p.pacer, wait)
             if produced_at:
                 produced_at = time.monotonic()
         header = FrameHeader(p.ctx.stream, self.index, self.seq)
@@ -535,6 +551,17 @@ class _SegmentOut:
         if not p.first_audio_sent:
             p.first_audio_sent = True
             p.app.stats.ttfa_s.append(time.monotonic() - self.submitted_at)
+
+
+async def _pace(pacer: LeadPacer, wait: float) -> None:
+    """Wait until the pacer lets the next frame go. One wait does it on the wall-clock
+    estimate; on a client's reported position, ask again after each wait (a slowly playing
+    client's report may not have moved), at least 10 ms apart."""
+    while wait > 0:
+        await asyncio.sleep(max(wait, 0.01) if pacer.reported else wait)
+        if not pacer.reported:
+            return
+        wait = pacer.delay(time.monotonic())
 
 
 def _peek_context(message: str) -> str | None:

@@ -250,6 +250,7 @@ class Service:
         return {"server": "rtts", "version": __version__, "engine": self.engine.name,
                 "device": self.engine.device, "engine_sample_rate": self.engine.sample_rate,
                 "state": self.state, "ws_path": self.config.ws_path,
+                "random_weights": bool(getattr(self.engine, "random_weights", False)),
                 "instance": self.config.instance_id,
                 "cache": {"memory_mb": self.config.cache.memory_mb,
                           "redis": self.config.cache.redis_url is not None},

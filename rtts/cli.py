@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8765)
     s.add_argument("--engine", choices=["chattts", "fake"], default="chattts")
+    s.add_argument("--wyoming-port", type=int, default=None,
+                   help="also serve Wyoming (Home Assistant) TTS on this TCP port "
+                        "(10200 by convention; default off)")
     s.add_argument("--source", choices=["auto", "custom", "huggingface"], default="auto",
                    help="auto: --model-dir if given, else the embedded tiny random checkpoint")
     s.add_argument("--model-dir", type=Path, default=None)
@@ -113,7 +116,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     base = ServerConfig()
     return replace(
         base,
-        host=args.host, port=args.port,
+        host=args.host, port=args.port, wyoming_port=args.wyoming_port,
         max_message_bytes=args.max_message_bytes,
         shutdown_grace_s=args.shutdown_grace,
         max_lead_s=args.max_lead or None,

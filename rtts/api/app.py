@@ -3,7 +3,8 @@
 Protocol front-ends each live in their own module and only call the core:
 :mod:`rtts.api.native` (``/v1/stream``, WebSocket), :mod:`rtts.api.rest` (``/v1/tts``,
 ``/v1/token``, ``/v1/info``, ``/v1/formats``) and :mod:`rtts.api.openai`
-(``/v1/audio/speech``, ``/v1/models``, ``/v1/audio/models``, ``/v1/audio/voices``).
+(``/v1/audio/speech``, ``/v1/models``, ``/v1/audio/models``, ``/v1/audio/voices``) and
+:mod:`rtts.api.elevenlabs` (``/v1/text-to-speech/{voice_id}…``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..auth import Authenticator
 from ..core.service import Service
 from ..metrics import render_metrics
 from .common import ApiError, api_error_response
+from .elevenlabs import ElevenLabsEndpoints
 from .openai import MAX_INPUT_CHARS, OPENAI_FORMATS, VOICES, OpenAIEndpoints
 from .rest import RestEndpoints
 from .voices import VOICES_OPENAPI, VoiceEndpoints
@@ -93,7 +95,8 @@ def build_http_app(service: Service, auth: Authenticator) -> Starlette:
                                            code="internal_error"))
 
     api_routes = [*RestEndpoints(service, auth).routes(), *OpenAIEndpoints(service, auth).routes(),
-                  *VoiceEndpoints(service, auth).routes()]
+                  *VoiceEndpoints(service, auth).routes(),
+                  *ElevenLabsEndpoints(service, auth).routes()]
     api_methods = {r.path: set(r.methods or ()) - {"HEAD"} for r in api_routes
                    if "{" not in r.path}
     routes = [

@@ -110,8 +110,13 @@ class NativeEndpoint:
         self._principals[id(connection)] = kid
         return None
 
+    def take_principal(self, connection: ServerConnection) -> str:
+        """The key id admitted by :meth:`process_request` for ``connection`` (for another
+        WebSocket front-end that reuses these handshake checks); release it at the end."""
+        return self._principals.pop(id(connection), "anonymous")
+
     async def handle(self, ws: ServerConnection) -> None:
-        kid = self._principals.pop(id(ws), "anonymous")
+        kid = self.take_principal(ws)
         try:
             await self._handle(ws)
         finally:

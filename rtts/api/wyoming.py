@@ -112,6 +112,12 @@ class _Connection:
                     await self.write(Error(text=exc.text, code=exc.code).event())
                     if exc.fatal:
                         return
+                except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+                    raise
+                except Exception:
+                    logger.exception("wyoming: handling an event failed")
+                    await self.write(Error(text="internal error", code="internal_error")
+                                     .event())
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
             pass
         finally:
@@ -168,8 +174,7 @@ class _Connection:
             await self.write(Pong(text=event.data.get("text")).event())
         elif SynthesizeStart.is_type(event.type):
             self._check_idle()
-            start = SynthesizeStart.from_event(event)
-            ctx = self._open(start.voice.name if start.voice else None)
+            ctx = self._open(_voice_name(event))
             self.streaming = ctx
             self._run(ctx, streaming=True)
         elif SynthesizeChunk.is_type(event.type):
@@ -188,8 +193,7 @@ class _Connection:
             text = _text(event)
             if not text.strip():
                 raise _BadEvent("synthesize needs a non-empty 'text'", "invalid_text")
-            voice = event.data.get("voice")
-            ctx = self._open(voice.get("name") if isinstance(voice, dict) else None)
+            ctx = self._open(_voice_name(event))
             self._feed(ctx, text)
             ctx.end()
             self._run(ctx, streaming=False)
@@ -263,6 +267,17 @@ class _Connection:
             self.service.activity.set()
 
 
+def _voice_name(event: Event) -> str | None:
+    """``data.voice.name`` (the speaker and language are not used), checked."""
+    voice = event.data.get("voice")
+    if voice is None:
+        return None
+    name = voice.get("name") if isinstance(voice, dict) else voice
+    if name is not None and not isinstance(name, str):
+        raise _BadEvent("'voice' must be an object with a string 'name'", "invalid_voice")
+    return name
+
+
 def _text(event: Event) -> str:
     text = event.data.get("text")
     if not isinstance(text, str):
@@ -287,18 +302,21 @@ class WyomingListener:
         self.port = self._server.sockets[0].getsockname()[1]
         logger.info("Wyoming listening on tcp://%s:%d", self.host, self.port)
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-                      ) -> None:
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A plain callback: the connection runs in a task of ours (cancelling the task
+        # asyncio makes for a coroutine callback logs a spurious error on Python 3.11).
         conn = _Connection(self, reader, writer)
-        task = asyncio.current_task()
-        assert task is not None
+        task = asyncio.create_task(self._serve(conn), name="rtts-wyoming-connection")
         self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, conn: _Connection) -> None:
         self.connections.add(conn)
         try:
             await conn.run()
         finally:
             self.connections.discard(conn)
-            self._tasks.discard(task)
+            self.service.activity.set()
 
     def busy(self) -> int:
         return sum(1 for c in self.connections if c._tasks)

@@ -417,3 +417,38 @@ async def test_pipecat_elevenlabs_tts_service_against_rtts():
         # the words reach pipecat's context only through the alignment
         words = " ".join(result["words"]).split()
         assert words == TEXT.split(), words
+
+
+# -- the real ChatTTS code (tiny random checkpoint) ------------------------------------------
+
+
+@pytest.mark.chattts
+async def test_real_chattts_multi_stream_alignment_and_wyoming(tiny_checkpoint):
+    from wyoming.client import AsyncTcpClient
+    from wyoming.tts import Synthesize
+
+    from rtts.config import EngineConfig
+    from rtts.engines.chattts_engine import ChatTTSEngine
+
+    cfg = replace(base_config(), wyoming_port=0,
+                  engine=EngineConfig(source="custom", model_dir=tiny_checkpoint, threads=2,
+                                      max_new_token=48))
+    async with server(cfg, ChatTTSEngine(cfg.engine)) as (app, _):
+        url = (f"ws://127.0.0.1:{bound_port(app)}/v1/text-to-speech/alloy/multi-stream-input"
+               "?output_format=pcm_24000&auto_mode=true")
+        text = "Hello there, friend. How are you?"
+        got = Recv()
+        async with connect(url) as ws:
+            await ws.send(json.dumps({"text": " ", "context_id": "c"}))
+            await ws.send(json.dumps({"text": text, "context_id": "c", "flush": True}))
+            await ws.send(json.dumps({"context_id": "c", "close_context": True}))
+            await _until(ws, got, lambda m: m.get("isFinal") is True, timeout=120)
+        assert got.audio_samples("c") > 0
+        _check_alignment(got, "c", text, 24000)
+        async with AsyncTcpClient("127.0.0.1", app.wyoming.port) as wc:
+            await wc.write_event(Synthesize(text="Hi there.").event())
+            kinds = []
+            while not kinds or kinds[-1] != "audio-stop":
+                event = await asyncio.wait_for(wc.read_event(), 120)
+                kinds.append(event.type)
+            assert kinds[0] == "audio-start" and "audio-chunk" in kinds

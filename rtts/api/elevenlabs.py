@@ -39,7 +39,7 @@ import urllib.parse
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 from starlette.background import BackgroundTask
@@ -70,6 +70,9 @@ from ..segmenter import DEFAULT_SCHEDULE
 from ..text.timings import CharTimings, estimate
 from .common import ApiError, HttpContext, authorize, b64, check_ready, read_body
 from .openai import MAX_INPUT_CHARS, chattts_speed, resolve_voice
+
+if TYPE_CHECKING:
+    from .native import NativeEndpoint
 
 __all__ = ["PATH_PREFIX", "ClientMessage", "ElevenError", "ElevenLabsEndpoints",
            "OutputFormat", "parse_message", "parse_output_format", "resolve_voice_id",
@@ -571,11 +574,12 @@ class _Socket:
 class ElevenLabsEndpoints:
     """The ElevenLabs-compatible sockets (handshake + handler) and HTTP routes."""
 
-    def __init__(self, service: Service, auth: Authenticator, native: Any = None) -> None:
+    def __init__(self, service: Service, auth: Authenticator,
+                 native: NativeEndpoint | None = None) -> None:
         self.service = service
         self.auth = auth
-        # the native endpoint (rtts.api.native.NativeEndpoint), whose handshake checks the
-        # sockets reuse; None for an HTTP-only instance
+        # the native endpoint, whose handshake checks the sockets reuse; None for an
+        # HTTP-only instance
         self.native = native
         self.sockets: set[_Socket] = set()
         self._pending: dict[int, str | None] = {}  # connection id -> key id (None: pending)
@@ -595,7 +599,8 @@ class ElevenLabsEndpoints:
             headers["Authorization"] = f"Bearer {key}"
         as_native = WsRequest(self.service.config.ws_path
                               + (f"?{split.query}" if split.query else ""), headers)
-        response: WsResponse | None = self.native.process_request(connection, as_native)
+        assert self.native is not None
+        response = self.native.process_request(connection, as_native)
         if response is None:
             self._pending[id(connection)] = self.native.take_principal(connection)
             return None

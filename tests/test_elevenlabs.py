@@ -140,7 +140,8 @@ async def test_sdk_convert_realtime_streams_before_the_text_ends(output_format):
         log: list[str] = []
         audio = await asyncio.to_thread(_realtime, bound_port(app), output_format, PIECES, log)
         # audio came back while the text iterator was still producing
-        assert "audio" in log[:log.index("text", len(log) - log[::-1].index("text") - 1)]
+        last_text = len(log) - 1 - log[::-1].index("text")
+        assert "audio" in log[:last_text], log
         if output_format.startswith("pcm"):
             seconds = len(audio) / 2 / 16000
         else:
@@ -298,6 +299,11 @@ async def test_stream_input_bad_input_gets_error_message_and_close_code():
     cfg = replace(base_config(), auth=AuthConfig(api_keys=("sekrit",)))
     async with server(cfg) as (app, _):
         base = f"ws://127.0.0.1:{bound_port(app)}/v1/text-to-speech/alloy/stream-input"
+        # a path under the prefix that is not one of the sockets: 404 at the handshake
+        with pytest.raises(InvalidStatus) as info:
+            async with connect(base.replace("stream-input", "stream")):
+                pass
+        assert info.value.response.status_code == 404
         # wrong key in the header: refused at the handshake
         with pytest.raises(InvalidStatus) as info:
             async with connect(base, additional_headers={"xi-api-key": "wrong"}):

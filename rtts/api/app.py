@@ -181,6 +181,20 @@ def openapi_schema(service: Service) -> dict[str, Any]:
                                                          "sample_rate", "format")],
                                 "responses": {"200": audio, **errors}}},
             **VOICES_OPENAPI,
+            **{f"/v1/text-to-speech/{{voice_id}}{tail}": {"post": {
+                "summary": f"ElevenLabs-compatible speech{what}",
+                "parameters": [{"name": "voice_id", "in": "path", "required": True,
+                                "schema": {"type": "string"}},
+                               {"name": "output_format", "in": "query",
+                                "schema": {"type": "string", "default": "mp3_44100_128"}}],
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"type": "object", "required": ["text"], "properties": {
+                        "text": {"type": "string"}, "voice_settings": {"type": "object"},
+                        "apply_text_normalization": {"type": "string"}}}}}},
+                "responses": {"200": {"description": "streamed" + what}}}}
+               for tail, what in (("", ""), ("/stream", " (streamed)"),
+                                  ("/stream/with-timestamps",
+                                   ": JSON lines with audio and alignment"))},
             "/v1/formats": {"get": {"summary": "audio formats",
                                     "responses": {"200": {"description": "formats"}}}},
             "/v1/token": {"get": {"summary": "short-lived browser token for a key",

@@ -65,6 +65,7 @@ from ..errors import (
     ProtocolError,
     RttsError,
 )
+from ..http import respond
 from ..protocol import SynthParams
 from ..segmenter import DEFAULT_SCHEDULE
 from ..text.timings import CharTimings, estimate
@@ -591,6 +592,10 @@ class ElevenLabsEndpoints:
         """The native socket's handshake checks (readiness, capacity, origin, key, quotas),
         with ``xi-api-key`` read as the key. Without any key while keys are required, the
         upgrade goes through and the first message must carry ``xi_api_key``."""
+        if socket_kind(request.path) is None:
+            return respond(404, "not found: the ElevenLabs sockets are "
+                                "/v1/text-to-speech/{voice_id}/stream-input and "
+                                "/multi-stream-input\n")
         split = urllib.parse.urlsplit(request.path)
         query = urllib.parse.parse_qs(split.query)
         headers = Headers(request.headers.raw_items())

@@ -89,6 +89,10 @@ def test_alignment_covers_the_text_between_segments():
     assert first.text + second.text == "Hi there.  How are you?"
     assert first.end_ms == 500 and second.end_ms == 800
     assert said2.text == " How are you?"  # normalized text, a space between segments
+    a.feed(" Bad one. Next.")
+    a.skip(32)  # a failed segment: no audio, no alignment
+    third, _ = a.segment(33, 38, "Next.", 300)
+    assert third.text == " Next." and third.end_ms == 300
 
 
 async def test_voice_ids_resolve_like_openai_names_and_unknown_ids_are_stable():
@@ -458,3 +462,19 @@ async def test_real_chattts_multi_stream_alignment_and_wyoming(tiny_checkpoint):
                 event = await asyncio.wait_for(wc.read_event(), 120)
                 kinds.append(event.type)
             assert kinds[0] == "audio-start" and "audio-chunk" in kinds
+
+
+async def test_shutdown_drains_then_closes_open_sockets_with_1001():
+    cfg = replace(base_config(), shutdown_grace_s=0.5)
+    async with server(cfg) as (app, _):
+        url = f"ws://127.0.0.1:{bound_port(app)}/v1/text-to-speech/alloy/multi-stream-input"
+        ws = await connect(url)
+        await ws.send(json.dumps({"text": "Unfinished sentence without an end",
+                                  "context_id": "x"}))
+        await asyncio.sleep(0.1)
+        assert app.busy_connections() == 1  # an open context counts for the drain
+    with pytest.raises(ConnectionClosed):
+        async with asyncio.timeout(5):
+            while True:
+                await ws.recv()
+    assert ws.close_code == 1001

@@ -299,6 +299,10 @@ class _Aligner:
         self.text.append(text)
         self._dirty = True
 
+    def skip(self, end: int) -> None:
+        """A segment that failed: its text gets no alignment (it has no audio)."""
+        self.end = max(self.end, end)
+
     def segment(self, start: int, end: int, spoken: str, duration_ms: float
                 ) -> tuple[CharTimings, CharTimings]:
         if self._dirty:
@@ -365,7 +369,9 @@ class _Context:
                     await sock.send(self._msg(audio="", alignment=written.as_dict(),
                                               normalizedAlignment=said.as_dict()))
                 elif isinstance(event, SegmentFailed):
-                    spans.pop(event.index, None)
+                    span = spans.pop(event.index, None)
+                    if span is not None:
+                        self.aligner.skip(span[1])
                     err = event.error
                     await sock.send(ElevenError(err.message, str(err.code)).event(self.cid))
                 elif isinstance(event, Done):

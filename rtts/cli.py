@@ -34,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8765)
     s.add_argument("--engine", choices=["chattts", "fake"], default="chattts")
+    s.add_argument("--wyoming-port", type=int, default=None,
+                   help="also serve Wyoming (Home Assistant) TTS on this TCP port "
+                        "(10200 by convention; default off)")
+    s.add_argument("--wyoming-host", default=None,
+                   help="address the Wyoming listener binds (default: --host). Wyoming has "
+                        "no authentication: keep it on a trusted network")
     s.add_argument("--source", choices=["auto", "custom", "huggingface"], default="auto",
                    help="auto: --model-dir if given, else the embedded tiny random checkpoint")
     s.add_argument("--model-dir", type=Path, default=None)
@@ -137,7 +143,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     base = ServerConfig()
     return replace(
         base,
-        host=args.host, port=args.port,
+        host=args.host, port=args.port, wyoming_port=args.wyoming_port,
+        wyoming_host=args.wyoming_host,
         max_message_bytes=args.max_message_bytes,
         max_connections=args.max_connections,
         max_connections_per_client=args.max_connections_per_client or None,
@@ -208,6 +215,12 @@ def safety_warnings(config: ServerConfig) -> list[str]:
     if not config.auth.api_keys and not _is_loopback(config.host):
         out.append(f"listening on {config.host} with auth off: anyone who can reach this port "
                    "can synthesize; set --api-key (or RTTS_API_KEYS) and --allowed-origin")
+    wyoming_host = config.wyoming_host or config.host
+    if config.wyoming_port is not None and config.auth.api_keys and not _is_loopback(
+            wyoming_host):
+        out.append(f"the Wyoming listener on {wyoming_host}:{config.wyoming_port} has no "
+                   "authentication (the protocol has none): --api-key does not protect it; "
+                   "bind it with --wyoming-host 127.0.0.1 or firewall it to Home Assistant")
     if config.auth.api_keys and config.auth.token_secret is None:
         out.append("no --token-secret: browser tokens are valid only on this instance and "
                    "until it restarts; give every replica the same RTTS_TOKEN_SECRET")

@@ -61,6 +61,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8765
     ws_path: str = "/v1/stream"
+    wyoming_host: str | None = None  # None: the same address as ``host``
+    wyoming_port: int | None = None  # the Wyoming (Home Assistant) TCP listener; None = off
     web_dir: Path | None = field(default_factory=lambda: _web_dir())
     max_message_bytes: int = 256 * 1024
     max_connections: int = 2000  # open WebSockets, all clients together (503 beyond)

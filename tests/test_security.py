@@ -175,10 +175,30 @@ async def test_http_synthesis_endpoints_need_key_origin_and_quota() -> None:
             status, _, _ = await asyncio.to_thread(_post, f"{base}/v1/audio/speech", speech,
                                                    good)
             assert status == 429
+            # ElevenLabs' HTTP stream and socket: the same checks, over quota too
+            eleven = f"{base}/v1/text-to-speech/alloy/stream"
+            status, _, _ = await asyncio.to_thread(_post, eleven, {"text": "Hi."},
+                                                   {"xi-api-key": KEY})
+            assert status == 429
+        el_ws = url.replace("/v1/stream", "/v1/text-to-speech/alloy/stream-input")
+        assert (await asyncio.to_thread(_post, eleven, {"text": "Hi."}))[0] == 401
+        assert (await asyncio.to_thread(_post, eleven, {"text": "Hi."},
+                                        {"xi-api-key": KEY, **evil}))[0] == 403
+        assert (await asyncio.to_thread(_post, eleven, {"text": "Hi."},
+                                        {"xi-api-key": KEY}))[0] == 200
+        assert await _status(el_ws, additional_headers={"xi-api-key": "wrong"}) == 401
+        assert await _status(el_ws, additional_headers={"xi-api-key": KEY, **evil}) == 403
+        async with connect(el_ws) as ws:  # no key at the upgrade: the first message must
+            await ws.send(json.dumps({"text": " "}))  # carry one; without it, refused
+            reply = json.loads(await ws.recv())
+            assert "key" in reply["message"].lower()
+            with pytest.raises(ConnectionClosed):
+                await ws.recv()
+            assert ws.close_code == 1008
         metrics = (await asyncio.to_thread(_get, f"{base}/metrics"))[2].decode()
-        assert 'rtts_auth_rejected_total{reason="unauthorized"} 2' in metrics
-        assert 'rtts_auth_rejected_total{reason="forbidden_origin"} 2' in metrics
-        assert 'rtts_auth_rejected_total{reason="quota"} 2' in metrics
+        assert 'rtts_auth_rejected_total{reason="unauthorized"} 5' in metrics
+        assert 'rtts_auth_rejected_total{reason="forbidden_origin"} 4' in metrics
+        assert 'rtts_auth_rejected_total{reason="quota"} 3' in metrics
 
 
 async def test_tts_streams_past_the_head_timeout_and_stops_when_the_client_leaves(

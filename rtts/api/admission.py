@@ -44,9 +44,11 @@ __all__ = ["Principal", "WsAdmission", "client_address", "refusal"]
 logger = logging.getLogger("rtts.auth")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Principal:
-    kid: str  # key id ("anonymous" with auth off)
+    # key id ("anonymous" with auth off); None until a protocol that carries its key in
+    # the first message has called :meth:`WsAdmission.identify_later`
+    kid: str | None
     client: str  # client address (see client_address)
 
 
@@ -108,9 +110,11 @@ class WsAdmission:
                               self.config.trusted_proxies)
 
     def handshake(self, connection: ServerConnection, request: Request, *,
-                  key: str | None = None) -> Response | None:
+                  key: str | None = None, key_later: bool = False) -> Response | None:
         """Check a WebSocket upgrade; None to accept it, else the refusal. ``key`` is a key
-        the protocol carries elsewhere (e.g. ElevenLabs' ``xi-api-key`` header)."""
+        the protocol carries elsewhere (e.g. ElevenLabs' ``xi-api-key`` header). With
+        ``key_later``, an upgrade that presents no credentials at all is accepted
+        unidentified: the handler must call :meth:`identify_later` before any work."""
         service = self.service
         cfg = self.config
         if service.state != "ready":
@@ -132,11 +136,30 @@ class WsAdmission:
                                      key=key)
             self.auth.check(kid, time.monotonic())
         except AuthError as exc:
+            presented = key or request.headers.get("Authorization") or query.get("token")
+            if exc.status == 401 and key_later and not presented:
+                self._principals[connection] = Principal(None, client)
+                return None
             service.stats.auth_rejected += 1
             service.stats.auth_rejected_by[exc.kind] += 1
             return refusal(exc)
         self._principals[connection] = Principal(kid, client)
         return None
+
+    def identify_later(self, principal: Principal, authorization: str | None,
+                       key: str | None) -> None:
+        """Identify and admit a session whose key came after the handshake (in its first
+        message); raises :class:`AuthError`. :meth:`session` releases it at the end."""
+        if principal.kid is not None:
+            return
+        try:
+            kid = self.auth.identify(authorization, None, time.time(), key=key)
+            self.auth.admit(kid, time.monotonic())
+        except AuthError as exc:
+            self.service.stats.auth_rejected += 1
+            self.service.stats.auth_rejected_by[exc.kind] += 1
+            raise
+        principal.kid = kid
 
     @contextlib.asynccontextmanager
     async def session(self, ws: ServerConnection) -> AsyncIterator[Principal | None]:
@@ -145,7 +168,8 @@ class WsAdmission:
         principal = self._principals.pop(ws, None) or Principal("anonymous",
                                                                 self._peer_of(ws))
         try:
-            self.auth.admit(principal.kid, time.monotonic())
+            if principal.kid is not None:
+                self.auth.admit(principal.kid, time.monotonic())
         except AuthError as exc:
             self.service.stats.auth_rejected += 1
             self.service.stats.auth_rejected_by[exc.kind] += 1
@@ -166,7 +190,8 @@ class WsAdmission:
                 self.per_client[principal.client] = left
             else:
                 del self.per_client[principal.client]
-            self.auth.release(principal.kid)
+            if principal.kid is not None:
+                self.auth.release(principal.kid)
 
     @staticmethod
     def _peer_of(ws: ServerConnection) -> str:

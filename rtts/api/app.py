@@ -3,7 +3,8 @@
 Protocol front-ends each live in their own module and only call the core:
 :mod:`rtts.api.native` (``/v1/stream``, WebSocket), :mod:`rtts.api.rest` (``/v1/tts``,
 ``/v1/token``, ``/v1/info``, ``/v1/formats``) and :mod:`rtts.api.openai`
-(``/v1/audio/speech``, ``/v1/models``, ``/v1/audio/models``, ``/v1/audio/voices``).
+(``/v1/audio/speech``, ``/v1/models``, ``/v1/audio/models``, ``/v1/audio/voices``) and
+:mod:`rtts.api.elevenlabs` (``/v1/text-to-speech/{voice_id}…``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..auth import Authenticator
 from ..core.service import Service
 from ..metrics import render_metrics
 from .common import ApiError, api_error_response
+from .elevenlabs import ElevenLabsEndpoints
 from .openai import MAX_INPUT_CHARS, OPENAI_FORMATS, VOICES, OpenAIEndpoints
 from .rest import RestEndpoints
 from .voices import VOICES_OPENAPI, VoiceEndpoints
@@ -94,7 +96,8 @@ def build_http_app(service: Service, auth: Authenticator) -> Starlette:
                                            code="internal_error"))
 
     api_routes = [*RestEndpoints(service, auth).routes(), *OpenAIEndpoints(service, auth).routes(),
-                  *VoiceEndpoints(service, auth).routes()]
+                  *VoiceEndpoints(service, auth).routes(),
+                  *ElevenLabsEndpoints(service, auth).routes()]
     api_methods = {r.path: set(r.methods or ()) - {"HEAD"} for r in api_routes
                    if "{" not in r.path}
     routes = [
@@ -217,6 +220,20 @@ def openapi_schema(service: Service) -> dict[str, Any]:
                                                          "sample_rate", "format")],
                                 "responses": {"200": audio, **errors}}},
             **VOICES_OPENAPI,
+            **{f"/v1/text-to-speech/{{voice_id}}{tail}": {"post": {
+                "summary": f"ElevenLabs-compatible speech{what}",
+                "parameters": [{"name": "voice_id", "in": "path", "required": True,
+                                "schema": {"type": "string"}},
+                               {"name": "output_format", "in": "query",
+                                "schema": {"type": "string", "default": "mp3_44100_128"}}],
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"type": "object", "required": ["text"], "properties": {
+                        "text": {"type": "string"}, "voice_settings": {"type": "object"},
+                        "apply_text_normalization": {"type": "string"}}}}}},
+                "responses": {"200": {"description": "streamed" + what}}}}
+               for tail, what in (("", ""), ("/stream", " (streamed)"),
+                                  ("/stream/with-timestamps",
+                                   ": JSON lines with audio and alignment"))},
             "/v1/formats": {"get": {"summary": "audio formats",
                                     "responses": {"200": {"description": "formats"}}}},
             "/v1/token": {"get": {"summary": "short-lived browser token for a key",

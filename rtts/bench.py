@@ -468,8 +468,9 @@ async def _fake_server(port: int,
                        *serve_args: str) -> AsyncIterator[tuple[str, str, psutil.Process]]:
     """``rtts serve --engine fake`` in a subprocess; yields (ws url, http base, process)
     once ``/readyz`` answers; terminates it on exit."""
+    # Every simulated client comes from 127.0.0.1: lift the per-client connection cap.
     cmd = [sys.executable, "-m", "rtts", "--log-level", "WARNING", "serve", "--engine", "fake",
-           "--port", str(port), *serve_args]
+           "--port", str(port), "--max-connections-per-client", "0", *serve_args]
     server = await asyncio.create_subprocess_exec(
         *cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"

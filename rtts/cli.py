@@ -17,8 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import os
 import signal
+import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -65,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8765, help="TCP port to listen on")
     s.add_argument("--engine", choices=["chattts", "fake"], default="chattts",
                    help="chattts: the real model; fake: test tones, no model (the test double)")
+    s.add_argument("--wyoming-port", type=int, default=None,
+                   help="also serve Wyoming (Home Assistant) TTS on this TCP port "
+                        "(10200 by convention; default off)")
+    s.add_argument("--wyoming-host", default=None,
+                   help="address the Wyoming listener binds (default: --host). Wyoming has "
+                        "no authentication: keep it on a trusted network")
     s.add_argument("--source", choices=["auto", "custom", "huggingface", "random"],
                    default="auto",
                    help="where the ChatTTS weights come from. auto: --model-dir if given, "
@@ -111,6 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds one segment may take before it fails with `timeout`")
     s.add_argument("--max-contexts", type=int, default=SessionLimits.max_contexts,
                    help="contexts open at once on one WebSocket connection")
+    s.add_argument("--max-connections", type=int, default=ServerConfig.max_connections,
+                   help="open WebSockets, all clients together (503 beyond)")
+    s.add_argument("--max-connections-per-client", type=int,
+                   default=ServerConfig.max_connections_per_client,
+                   help="open WebSockets per client address (429 beyond; 0 = no cap)")
+    s.add_argument("--trusted-proxy", action="append", default=None,
+                   help="address or network of a proxy whose X-Forwarded-For names the "
+                        "client (repeatable; default 127.0.0.1 and ::1)")
+    s.add_argument("--idle-timeout", type=float, default=ServerConfig.idle_timeout_s,
+                   help="close a WebSocket with no open context and no message for this "
+                        "many seconds (close code 4000; 0 = never)")
     s.add_argument("--max-message-bytes", type=int, default=ServerConfig.max_message_bytes,
                    help="largest WebSocket message accepted (larger: close 1009)")
     s.add_argument("--max-protocol-errors", type=int, default=ServerConfig.max_protocol_errors,
@@ -149,8 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allowed-origin", action="append", default=[],
                    help="browser Origin allowed to connect (repeatable; default any)")
     s.add_argument("--token-ttl", type=int, default=300, help="browser token lifetime, s")
+    s.add_argument("--token-secret", default=None,
+                   help="secret that signs browser tokens and derives key ids (at least 32 "
+                        "characters); give every replica the same one so tokens work on all "
+                        "of them and across restarts (also RTTS_TOKEN_SECRET; default: "
+                        "random per process)")
+    s.add_argument("--previous-token-secret",
+                   default=None,
+                   help="during a rotation, the old secret: its tokens stay valid (set for one "
+                        "--token-ttl after switching; also RTTS_PREVIOUS_TOKEN_SECRET)")
     s.add_argument("--max-sessions-per-key", type=int, default=None,
-                   help="sessions (connections and HTTP streams) one key may hold at once")
+                   help="concurrent sessions (WebSockets and streaming HTTP responses) per "
+                        "key, per instance")
     s.add_argument("--sessions-per-minute", type=int, default=None,
                    help="new sessions a minute per key")
     s.add_argument("--cache-mb", type=float, default=CacheConfig.memory_mb,
@@ -220,10 +250,16 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     base = ServerConfig()
     return replace(
         base,
-        host=args.host, port=args.port,
+        host=args.host, port=args.port, wyoming_port=args.wyoming_port,
+        wyoming_host=args.wyoming_host,
         max_message_bytes=args.max_message_bytes,
         max_protocol_errors=args.max_protocol_errors,
         slow_client_timeout_s=args.slow_client_timeout,
+        max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client or None,
+        trusted_proxies=(tuple(args.trusted_proxy) if args.trusted_proxy is not None
+                         else base.trusted_proxies),
+        idle_timeout_s=args.idle_timeout or None,
         shutdown_grace_s=args.shutdown_grace,
         max_lead_s=args.max_lead or None,
         web_dir=args.web_dir or base.web_dir,
@@ -260,10 +296,50 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         auth=AuthConfig(
             api_keys=tuple(dict.fromkeys((*args.api_key, *AuthConfig.keys_from_env()))),
             token_ttl_s=args.token_ttl, allowed_origins=tuple(args.allowed_origin),
+            token_secret=_secret(args.token_secret, "--token-secret"),
+            previous_token_secret=_secret(args.previous_token_secret,
+                                          "--previous-token-secret"),
             max_sessions_per_key=args.max_sessions_per_key,
             sessions_per_minute=args.sessions_per_minute,
         ),
     )
+
+
+MIN_SECRET_CHARS = 32
+
+
+def _secret(value: str | None, flag: str) -> bytes | None:
+    if not value:
+        return None
+    if len(value) < MIN_SECRET_CHARS:
+        raise ConfigError(f"{flag} must be at least {MIN_SECRET_CHARS} characters "
+                          "(e.g. `openssl rand -hex 32`)")
+    return value.encode()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def safety_warnings(config: ServerConfig) -> list[str]:
+    """What a production operator must hear at start-up (pure; logged by ``serve``)."""
+    out = []
+    if not config.auth.api_keys and not _is_loopback(config.host):
+        out.append(f"listening on {config.host} with auth off: anyone who can reach this port "
+                   "can synthesize; set --api-key (or RTTS_API_KEYS) and --allowed-origin")
+    wyoming_host = config.wyoming_host or config.host
+    if config.wyoming_port is not None and config.auth.api_keys and not _is_loopback(
+            wyoming_host):
+        out.append(f"the Wyoming listener on {wyoming_host}:{config.wyoming_port} has no "
+                   "authentication (the protocol has none): --api-key does not protect it; "
+                   "bind it with --wyoming-host 127.0.0.1 or firewall it to Home Assistant")
+    if config.auth.api_keys and config.auth.token_secret is None:
+        out.append("no --token-secret: browser tokens are valid only on this instance and "
+                   "until it restarts; give every replica the same RTTS_TOKEN_SECRET")
+    return out
 
 
 async def serve_until_signalled(config: ServerConfig) -> int:
@@ -279,6 +355,10 @@ async def serve_until_signalled(config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    logger.info("instance %s on host %s, pid %d", config.instance_id, socket.gethostname(),
+                os.getpid())
+    for warning in safety_warnings(config):
+        logger.warning("%s", warning)
     async with run_server(config) as app:
         if app.state == "failed":
             logger.error("not serving: %s", app.state_reason)

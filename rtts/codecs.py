@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -91,14 +91,16 @@ def output_rate(codec: Codec, requested: int) -> int:
     return requested
 
 
-def open_encoder(name: str, input_rate: int, sample_rate: int = 24000) -> Encoder:
-    """A streaming encoder for ``name`` taking float32 audio at ``input_rate``."""
+def open_encoder(name: str, input_rate: int, sample_rate: int = 24000,
+                 bit_rate: int | None = None) -> Encoder:
+    """A streaming encoder for ``name`` taking float32 audio at ``input_rate``;
+    ``bit_rate`` (bits/s) applies to the compressed formats (the encoder's default if None)."""
     codec = codec_for(name)
     if codec is None:
         raise ValueError(f"unknown audio format {name!r}")
     rate = output_rate(codec, sample_rate)
     if codec.container is not None:
-        return _AvEncoder(codec, input_rate, rate)
+        return _AvEncoder(codec, input_rate, rate, bit_rate)
     return _RawEncoder(codec, input_rate, rate)
 
 
@@ -172,7 +174,8 @@ class _Sink:
 class _AvEncoder(_Resampling):
     """A PyAV (FFmpeg) encoder and muxer writing into memory as packets come out."""
 
-    def __init__(self, codec: Codec, input_rate: int, rate: int) -> None:
+    def __init__(self, codec: Codec, input_rate: int, rate: int,
+                 bit_rate: int | None = None) -> None:
         super().__init__(input_rate, rate)
         import av
 
@@ -183,6 +186,8 @@ class _AvEncoder(_Resampling):
         self._container: Any = av.open(self._sink, mode="w", format=codec.container,
                                        options=dict(codec.options))
         self._stream: Any = self._container.add_stream(codec.codec, rate=rate, layout="mono")
+        if bit_rate is not None:
+            cast(Any, self._stream).bit_rate = bit_rate  # an AudioStream
         self._pts = 0
         self._finished = False
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.resources
 import os
-import socket
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,9 +70,17 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8765
     ws_path: str = "/v1/stream"
+    wyoming_host: str | None = None  # None: the same address as ``host``
+    wyoming_port: int | None = None  # the Wyoming (Home Assistant) TCP listener; None = off
     web_dir: Path | None = field(default_factory=lambda: _web_dir())
     max_message_bytes: int = 256 * 1024
-    max_connections: int = 2000
+    max_connections: int = 2000  # open WebSockets, all clients together (503 beyond)
+    # open WebSockets of one client address (429 beyond); None = no cap
+    max_connections_per_client: int | None = 256
+    # proxies whose X-Forwarded-For names the client (addresses or networks; "*" = any)
+    trusted_proxies: tuple[str, ...] = ("127.0.0.1", "::1")
+    # a WebSocket with no open context and no message for this long is closed (4000)
+    idle_timeout_s: float | None = 300.0
     max_protocol_errors: int = 20
     send_queue_frames: int = 64  # per connection; beyond it the sender waits (pacing)
     slow_client_timeout_s: float = 10.0  # waiting that long for queue space closes 4008
@@ -96,8 +104,10 @@ class ServerConfig:
 
 
 def _instance_id() -> str:
-    """Names this process in ``ready`` events and ``/v1/info`` (which replica served)."""
-    return os.environ.get("RTTS_INSTANCE_ID") or f"{socket.gethostname()}-{os.getpid()}"
+    """Names this process in ``ready`` events and ``/v1/info`` (which replica served): the
+    operator's ``RTTS_INSTANCE_ID``, else a random id (the host name and PID are logged at
+    start-up, not shown to unauthenticated clients)."""
+    return os.environ.get("RTTS_INSTANCE_ID") or f"rtts-{secrets.token_hex(4)}"
 
 
 def packaged_web_dir() -> Path | None:

@@ -11,13 +11,14 @@ Error tree::
 Close codes used by the server (all documented in the README):
 
 ==== ======================================================================
-1000 normal closure (client asked, or idle timeout with nothing in flight)
+1000 normal closure (the client asked)
 1001 server going away (graceful shutdown)
 1007 invalid UTF-8 in a text frame (raised by the websockets library)
 1008 policy violation: too many protocol errors on one connection
 1009 message too big (over ``max_message_bytes``; raised by websockets)
 1011 internal server error
 1013 try again later: server overloaded or not ready
+4000 idle: no open context and no message for ``idle_timeout`` (reconnect when needed)
 4008 client too slow: audio could not be delivered within ``slow_client_timeout``
 ==== ======================================================================
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 __all__ = [
     "CLOSE_GOING_AWAY",
+    "CLOSE_IDLE",
     "CLOSE_INTERNAL_ERROR",
     "CLOSE_INVALID_DATA",
     "CLOSE_MESSAGE_TOO_BIG",
@@ -50,6 +52,7 @@ CLOSE_POLICY_VIOLATION = 1008
 CLOSE_MESSAGE_TOO_BIG = 1009
 CLOSE_INTERNAL_ERROR = 1011
 CLOSE_TRY_AGAIN_LATER = 1013
+CLOSE_IDLE = 4000
 CLOSE_SLOW_CLIENT = 4008
 
 
@@ -69,6 +72,7 @@ class ErrorCode(StrEnum):
     ENGINE_ERROR = "engine_error"
     TIMEOUT = "timeout"
     SHUTTING_DOWN = "shutting_down"
+    RATE_LIMITED = "rate_limited"  # a message kind sent faster than its documented rate
 
 
 class RttsError(Exception):

@@ -90,6 +90,10 @@ def render_metrics(app: Service) -> str:
         *(f"rtts_governor_transitions_total{{transition=\"{k}\"}} {v}"
           for k, v in sorted(app.governor.transitions.items())),
         "# TYPE rtts_rejected_total counter", f"rtts_rejected_total {s.rejected}",
+        "# TYPE rtts_auth_rejected_total counter",
+        *(f'rtts_auth_rejected_total{{reason="{r}"}} {s.auth_rejected_by[r]}'
+          for r in ("unauthorized", "forbidden_origin", "quota", "client_connections")),
+        "# TYPE rtts_idle_closed_total counter", f"rtts_idle_closed_total {s.idle_closed}",
         "# TYPE rtts_http_speech_requests_total counter",
         f"rtts_http_speech_requests_total {s.http_requests}",
         "# TYPE rtts_frame_latency_seconds summary",

@@ -11,6 +11,12 @@ Client -> server messages are JSON objects in text frames, each with a ``type``:
 ``flush``   ``context_id``: synthesize what is buffered now, without waiting for punctuation
 ``cancel``  ``context_id``: stop this context now; queued and in-flight audio is dropped
 ``end``     ``context_id``: no more text; the server finishes the audio and sends ``done``
+``playback`` ``context_id``, ``played_ms`` (how much of the context's audio the client has
+            really played, in ms of that audio), optional ``buffered_ms``: what the
+            server paces on instead of its wall-clock estimate (see :mod:`rtts.pacing`)
+
+``start`` also takes ``timings`` (bool): ``segment_done`` then carries estimated character
+timings (``chars``, ``char_start_ms``, ``char_duration_ms``, ms in the context's audio).
 
 ``context_id`` may be omitted everywhere; it then defaults to ``"default"``.
 
@@ -50,6 +56,7 @@ __all__ = [
     "EndMessage",
     "FlushMessage",
     "FrameHeader",
+    "PlaybackMessage",
     "StartMessage",
     "SynthParams",
     "TextMessage",
@@ -101,6 +108,7 @@ class StartMessage:
     idle_flush_ms: int | None = None
     cache: bool = True  # may this context's segments be served from / stored in the cache
     normalize: bool = True  # spell out numbers, dates, money, symbols (rtts.text) before TTS
+    timings: bool = False  # add estimated character timings to segment_done
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +132,20 @@ class EndMessage:
     context_id: str
 
 
-ClientMessage = StartMessage | TextMessage | FlushMessage | CancelMessage | EndMessage
+@dataclass(frozen=True, slots=True)
+class PlaybackMessage:
+    """The client's real playback position in a context's audio (ms), and what it buffers."""
+
+    context_id: str
+    played_ms: float
+    buffered_ms: float | None = None
+
+
+ClientMessage = (StartMessage | TextMessage | FlushMessage | CancelMessage | EndMessage
+                 | PlaybackMessage)
+
+# A playback report beyond this is absurd (a context's audio is far shorter than a day).
+MAX_PLAYBACK_MS: Final = 86_400_000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +239,9 @@ def _parse_start(obj: dict[str, Any]) -> StartMessage:
     normalize = obj.get("normalize", True)
     if not isinstance(normalize, bool):
         raise _bad("normalize must be true or false")
+    timings = obj.get("timings", False)
+    if not isinstance(timings, bool):
+        raise _bad("timings must be true or false")
     return StartMessage(
         context_id=_context_id(obj),
         params=_parse_params(obj),
@@ -228,7 +252,18 @@ def _parse_start(obj: dict[str, Any]) -> StartMessage:
         idle_flush_ms=_integer(obj, "idle_flush_ms", None, 0, 60_000),
         cache=cache,
         normalize=normalize,
+        timings=timings,
     )
+
+
+def _parse_playback(obj: dict[str, Any]) -> PlaybackMessage:
+    if "played_ms" not in obj:
+        raise _bad("playback needs played_ms", ErrorCode.INVALID_MESSAGE)
+    played = _number(obj, "played_ms", 0.0, 0.0, MAX_PLAYBACK_MS)
+    buffered = None
+    if obj.get("buffered_ms") is not None:
+        buffered = _number(obj, "buffered_ms", 0.0, 0.0, MAX_PLAYBACK_MS)
+    return PlaybackMessage(_context_id(obj), played, buffered)
 
 
 def parse_client_message(data: str | bytes, *, max_text_chars: int = 20_000) -> ClientMessage:
@@ -261,6 +296,8 @@ def parse_client_message(data: str | bytes, *, max_text_chars: int = 20_000) -> 
         return CancelMessage(_context_id(obj))
     if kind == "end":
         return EndMessage(_context_id(obj))
+    if kind == "playback":
+        return _parse_playback(obj)
     if not isinstance(kind, str):
         raise _bad("message needs a string 'type'", ErrorCode.INVALID_MESSAGE)
     raise _bad(f"unknown message type {kind[:40]!r}", ErrorCode.UNKNOWN_TYPE)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import threading
 import time
 from collections import Counter, deque
@@ -387,7 +388,10 @@ class Scheduler:
         """The engine raised while running ``streams``. Which row broke the batch is
         unknown: rows with no audio yet are retried alone, so one bad request cannot fail
         its neighbours; the others fail with an engine error."""
-        error = EngineError(f"synthesis failed: {type(exc).__name__}: {exc}")
+        # The details stay in the log; clients get a code and an incident id to quote.
+        incident = secrets.token_hex(4)
+        logger.error("engine failed (incident %s)", incident, exc_info=exc)
+        error = EngineError(f"synthesis failed (incident {incident})")
         for s in streams:
             if s.finished or s.request.cancelled.is_set():
                 continue

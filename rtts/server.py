@@ -15,12 +15,15 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from websockets.asyncio.server import Server, serve
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.http11 import Request, Response
 
 from . import __version__
 from .api.app import build_http_app
+from .api.elevenlabs import PATH_PREFIX, ElevenLabsEndpoints
 from .api.listener import HttpSide, sniffing_connection_factory
 from .api.native import Connection, ContextPipeline, NativeEndpoint
+from .api.wyoming import WyomingListener
 from .auth import Authenticator
 from .config import ServerConfig
 from .core.service import Service, Stats
@@ -42,7 +45,23 @@ class App(Service):
         self.server: Server | None = None
         self.auth = Authenticator(config.auth)
         self.native = NativeEndpoint(self, self.auth)
+        self.elevenlabs = ElevenLabsEndpoints(self, self.auth, self.native)
         self.http = HttpSide(build_http_app(self, self.auth), f"rtts/{__version__}")
+        self.wyoming: WyomingListener | None = None
+
+    # WebSocket upgrades by path: ElevenLabs' input-streaming sockets, else the native one.
+
+    def ws_process_request(self, connection: ServerConnection, request: Request
+                           ) -> Response | None:
+        if request.path.startswith(PATH_PREFIX):
+            return self.elevenlabs.process_request(connection, request)
+        return self.native.process_request(connection, request)
+
+    async def ws_handle(self, ws: ServerConnection) -> None:
+        if ws.request is not None and ws.request.path.startswith(PATH_PREFIX):
+            await self.elevenlabs.handle(ws)
+        else:
+            await self.native.handle(ws)
 
     @property
     def connections(self) -> set[Connection]:
@@ -64,7 +83,10 @@ class App(Service):
         self.native.apply_level(level)
 
     def busy_connections(self) -> int:
-        return self.native.busy_connections() + self.http.busy
+        wyoming = self.wyoming.busy() if self.wyoming is not None else 0
+        return (self.native.busy_connections() + self.http.busy + self.elevenlabs.busy()
+                + wyoming)
+
     async def drain_and_close(self) -> None:
         """Graceful shutdown: refuse new work, let contexts and HTTP responses finish until
         the grace deadline, then close remaining connections with 1001 and stop the engine.
@@ -78,6 +100,8 @@ class App(Service):
         logger.info("draining %d connections and %d HTTP responses (grace %.1fs); /readyz "
                     "answers 503 meanwhile", len(self.connections), self.http.busy,
                     self.config.shutdown_grace_s)
+        if self.wyoming is not None:  # raw TCP: no readiness to answer, so stop accepting
+            await self.wyoming.close_listener()
         self.http.shutdown()  # idle keep-alive connections reconnect (and get told)
         deadline = time.monotonic() + self.config.shutdown_grace_s
         while self.busy_connections() and (left := deadline - time.monotonic()) > 0:
@@ -90,6 +114,9 @@ class App(Service):
         await self.stop_sampling()
         for conn in list(self.connections):
             await conn.close(CLOSE_GOING_AWAY, "server shutting down")
+        await self.elevenlabs.close_all()
+        if self.wyoming is not None:
+            await self.wyoming.stop()
         await self.http.close()
         if self.server is not None:
             await self.server.wait_closed()
@@ -106,8 +133,8 @@ async def run_server(config: ServerConfig, engine: Engine | None = None,
     """
     app = App(config, engine, own_engine)
     app.server = await serve(
-        app.native.handle, config.host, config.port,
-        process_request=app.native.process_request,
+        app.ws_handle, config.host, config.port,
+        process_request=app.ws_process_request,
         # websockets types this as a ServerConnection class; any callable returning an
         # asyncio protocol works (the sniffer hands over to a ServerConnection).
         create_connection=sniffing_connection_factory(app.http),  # type: ignore[arg-type]
@@ -122,6 +149,10 @@ async def run_server(config: ServerConfig, engine: Engine | None = None,
         server_header=f"rtts/{__version__}",
     )
     try:
+        if config.wyoming_port is not None:
+            app.wyoming = WyomingListener(app, config.wyoming_host or config.host,
+                                          config.wyoming_port)
+            await app.wyoming.start()
         if load:
             with contextlib.suppress(Exception):  # logged; /readyz reports the reason
                 await app.load()

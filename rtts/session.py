@@ -8,11 +8,19 @@ Context lifecycle::
 
     start -> OPEN --text/flush--> OPEN --end--> ENDING --last segment done--> (done, removed)
                \\--cancel--> (cancelled, removed)
+
+``playback`` reports (the client's real position in a context's audio) may arrive in any
+state while the context is open, and are ignored for a context that finished recently
+(they cross the ``done`` on the wire). On ``cancel`` the session answers with what was
+heard: ``heard_ms`` and the input split into ``text_spoken`` / ``text_remaining`` at the
+last heard character (estimated character timings of finished segments; a segment still
+being made counts as not heard, since its length is not known yet).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,16 +31,19 @@ from .protocol import (
     ClientMessage,
     EndMessage,
     FlushMessage,
+    PlaybackMessage,
     StartMessage,
     SynthParams,
     TextMessage,
 )
 from .segmenter import DEFAULT_MAX_CHARS, DEFAULT_SCHEDULE, Chunk, Segmenter
 from .text import SpokenText
+from .text.timings import CharTimings
 
 __all__ = [
     "CancelContext",
     "ContextState",
+    "Playback",
     "SendEvent",
     "Session",
     "SessionLimits",
@@ -50,6 +61,9 @@ class SessionLimits:
     default_schedule: tuple[int, ...] = DEFAULT_SCHEDULE
     default_max_chunk_chars: int = DEFAULT_MAX_CHARS
     degraded_max_chunk_chars: int = 80  # shorter segments while the server is degraded
+    # playback reports per context: a burst of this many, refilled at this rate per second
+    playback_burst: int = 20
+    playback_per_s: float = 20.0
 
 
 # -- actions -----------------------------------------------------------------------
@@ -91,15 +105,35 @@ class CancelContext:
 
     context_id: str
     stream: int
+    serial: int  # the context's never-reused number on this connection
 
 
-Action = SendEvent | StartContext | Synthesize | CancelContext
+@dataclass(frozen=True, slots=True)
+class Playback:
+    """The client reported its playback position: pace the context on it."""
+
+    context_id: str
+    played_ms: float
+
+
+Action = SendEvent | StartContext | Synthesize | CancelContext | Playback
+
+
+@dataclass(frozen=True, slots=True)
+class _HeardSegment:
+    """A finished segment's place in the context's audio and input text."""
+
+    start_ms: float
+    duration_ms: float
+    text_start: int
+    text_end: int
+    timings: CharTimings | None  # ms from the segment's start
 
 
 @dataclass
 class ContextState:
     context_id: str
-    stream: int
+    stream: int  # the frame header's stream number: 1..65535, reused after wrapping
     params: SynthParams
     sample_rate: int
     segmenter: Segmenter
@@ -108,6 +142,7 @@ class ContextState:
     segments_done: int = 0
     audio_samples: int = 0  # at sample_rate, of finished segments
     ended: bool = False
+    serial: int = 0  # counts contexts on the connection; never wraps (unlike ``stream``)
     last_text_at: float = 0.0
     cache: bool = True
     format: str = "pcm16"  # of the binary frames (see rtts.codecs)
@@ -116,6 +151,14 @@ class ContextState:
     # chunk text -> spoken text, in order (it carries the language of the text so far)
     spoken_text: SpokenText = field(default_factory=SpokenText)
     spoken: dict[int, str] = field(default_factory=dict)  # by segment, until it is done
+    timings: bool = False  # character timings on segment_done
+    # what heard text is computed from (bounded by max_text_chars_per_context)
+    input: list[str] = field(default_factory=list)
+    finished: list[_HeardSegment] = field(default_factory=list)
+    played_ms: float | None = None  # reported by the client (playback messages)
+    estimated_played_ms: float | None = None  # the server's estimate, set before a cancel
+    playback_tokens: float = 0.0
+    playback_at: float = 0.0
 
     @property
     def audio_ms(self) -> float:
@@ -130,8 +173,11 @@ class Session:
         self.session_id = session_id
         self.contexts: dict[str, ContextState] = {}
         self._next_stream = 1
+        self._serial = 0
         self.protocol_errors = 0
         self.degraded = False  # set by the server from its load governor
+        # contexts that just finished: their in-flight playback reports are not errors
+        self._recent: deque[str] = deque(maxlen=64)
 
     def hello(self, **info: Any) -> SendEvent:
         return SendEvent({"type": "ready", "protocol": PROTOCOL_VERSION,
@@ -156,14 +202,19 @@ class Session:
             return self._start(msg, now)
         ctx = self.contexts.get(msg.context_id)
         if ctx is None:
+            if isinstance(msg, PlaybackMessage) and msg.context_id in self._recent:
+                return []  # crossed the context's done/cancelled on the wire
             raise ProtocolError(
                 f"context {msg.context_id!r} is not open; send 'start' first",
                 code=ErrorCode.UNKNOWN_CONTEXT,
             )
+        if isinstance(msg, PlaybackMessage):
+            return self._playback(ctx, msg, now)
         if isinstance(msg, CancelMessage):
-            del self.contexts[ctx.context_id]
-            return [CancelContext(ctx.context_id, ctx.stream),
-                    SendEvent({"type": "cancelled", "context_id": ctx.context_id})]
+            self._forget(ctx)
+            return [CancelContext(ctx.context_id, ctx.stream, ctx.serial),
+                    SendEvent({"type": "cancelled", "context_id": ctx.context_id,
+                               **self.heard(ctx)})]
         if ctx.ended:
             raise ProtocolError(f"context {ctx.context_id!r} has ended; no more input",
                                 code=ErrorCode.INVALID_MESSAGE)
@@ -175,6 +226,9 @@ class Session:
                     code=ErrorCode.TEXT_TOO_LONG,
                 )
             ctx.last_text_at = now
+            ctx.input.append(msg.text)
+            if len(ctx.input) > 256:  # one-character messages: keep one string, not 100k
+                ctx.input[:] = ["".join(ctx.input)]
             return self._queue(ctx, ctx.segmenter.push(msg.text))
         if isinstance(msg, FlushMessage):
             actions = self._queue(ctx, ctx.segmenter.flush())
@@ -198,8 +252,13 @@ class Session:
         max_chars = msg.max_chunk_chars or self.limits.default_max_chunk_chars
         if self.degraded:
             max_chars = min(max_chars, self.limits.degraded_max_chunk_chars)
+        in_use = {c.stream for c in self.contexts.values()}
+        while self._next_stream in in_use:  # after wrapping, skip numbers still open
+            self._next_stream = self._next_stream % 65535 + 1
+        self._serial += 1
         ctx = ContextState(
             context_id=msg.context_id,
+            serial=self._serial,
             stream=self._next_stream,
             params=msg.params,
             sample_rate=msg.sample_rate,
@@ -211,10 +270,52 @@ class Session:
             normalize=msg.normalize,
             spoken_text=SpokenText(enabled=msg.normalize),
             format=msg.format,
+            timings=msg.timings,
+            playback_tokens=float(self.limits.playback_burst),
+            playback_at=now,
         )
         self._next_stream = self._next_stream % 65535 + 1
         self.contexts[ctx.context_id] = ctx
         return [StartContext(ctx)]
+
+    def _forget(self, ctx: ContextState) -> None:
+        del self.contexts[ctx.context_id]
+        self._recent.append(ctx.context_id)
+
+    def _playback(self, ctx: ContextState, msg: PlaybackMessage, now: float) -> list[Action]:
+        limits = self.limits
+        ctx.playback_tokens = min(float(limits.playback_burst), ctx.playback_tokens
+                                  + (now - ctx.playback_at) * limits.playback_per_s)
+        ctx.playback_at = now
+        if ctx.playback_tokens < 1.0:
+            raise ProtocolError(
+                f"at most {limits.playback_per_s:g} playback reports a second per context",
+                code=ErrorCode.RATE_LIMITED)
+        ctx.playback_tokens -= 1.0
+        if ctx.played_ms is not None and msg.played_ms <= ctx.played_ms:
+            return []  # positions only move forward; a late, older report changes nothing
+        ctx.played_ms = msg.played_ms
+        return [Playback(ctx.context_id, msg.played_ms)]
+
+    def heard(self, ctx: ContextState) -> dict[str, Any]:
+        """What the listener heard of a context: ``heard_ms`` (reported by the client, else
+        the server's estimate), ``heard_source``, and its input split at the last heard
+        character into ``text_spoken`` and ``text_remaining``."""
+        reported = ctx.played_ms is not None
+        played = (ctx.played_ms if ctx.played_ms is not None
+                  else ctx.estimated_played_ms or 0.0)
+        offset = 0
+        for seg in ctx.finished:
+            if played >= seg.start_ms + seg.duration_ms:
+                offset = seg.text_end
+                continue
+            if played > seg.start_ms and seg.timings is not None:
+                offset = seg.text_start + seg.timings.heard(played - seg.start_ms)
+            break
+        text = "".join(ctx.input)
+        return {"heard_ms": round(played, 3), "heard_source":
+                "reported" if reported else "estimated",
+                "text_spoken": text[:offset], "text_remaining": text[offset:]}
 
     def _queue(self, ctx: ContextState, chunks: list[Chunk]) -> list[Action]:
         actions: list[Action] = []
@@ -260,22 +361,36 @@ class Session:
         })
 
     def segment_done(self, context_id: str, index: int, chunk: Chunk, samples: int,
-                     frames: int) -> list[Action]:
-        """Record a finished segment; may also complete flushes and the context."""
+                     frames: int, timings: CharTimings | None = None) -> list[Action]:
+        """Record a finished segment; may also complete flushes and the context.
+
+        ``timings``: the segment's estimated character timings (ms from its own start),
+        used for heard text on cancel and, for a context started with ``timings``, sent
+        in ``segment_done`` shifted to the context's audio."""
         ctx = self.contexts.get(context_id)
         if ctx is None:
             return []
         start_ms = ctx.audio_ms
+        duration_ms = 1000.0 * samples / ctx.sample_rate
         ctx.audio_samples += samples
         ctx.segments_done += 1
         ctx.spoken.pop(index, None)
-        actions: list[Action] = [SendEvent({
+        if timings is not None and timings.text != chunk.text:
+            timings = None  # not this segment's text: segment granularity instead
+        ctx.finished.append(_HeardSegment(start_ms, duration_ms, chunk.start, chunk.end,
+                                          timings))
+        event: dict[str, Any] = {
             "type": "segment_done", "context_id": context_id, "stream": ctx.stream,
             "segment": index, "text": chunk.text, "text_start": chunk.start,
             "text_end": chunk.end, "audio_start_ms": round(start_ms, 3),
-            "duration_ms": round(1000.0 * samples / ctx.sample_rate, 3),
+            "duration_ms": round(duration_ms, 3),
             "samples": samples, "frames": frames,
-        })]
+        }
+        if ctx.timings and timings is not None:
+            placed = timings.shifted(round(start_ms))
+            event.update(chars=list(placed.chars), char_start_ms=list(placed.start_ms),
+                         char_duration_ms=list(placed.duration_ms), timings_estimated=True)
+        actions: list[Action] = [SendEvent(event)]
         return actions + self._check_marks(ctx)
 
     def segment_failed(self, context_id: str, index: int, exc: Exception) -> list[Action]:
@@ -294,7 +409,7 @@ class Session:
             actions.append(SendEvent({"type": "flushed", "context_id": ctx.context_id,
                                       "segments": ctx.segments_done}))
         if ctx.ended and ctx.segments_done >= ctx.segments_queued:
-            del self.contexts[ctx.context_id]
+            self._forget(ctx)
             actions.append(SendEvent({
                 "type": "done", "context_id": ctx.context_id, "segments": ctx.segments_done,
                 "audio_ms": round(ctx.audio_ms, 3),

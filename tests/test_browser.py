@@ -92,8 +92,12 @@ def page(browser: object, rtts_server: ServerThread) -> Iterator[object]:
     pg = context.new_page()
     errors: list[str] = []
     pg.on("pageerror", lambda e: errors.append(str(e)))
+    # a clean load and run: no console errors, no failed requests (there were 404s)
+    pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    pg.on("response", lambda r: errors.append(f"{r.status} {r.url}") if r.status >= 400
+          else None)
     pg.goto(f"http://127.0.0.1:{rtts_server.port}/")
-    pg.wait_for_function("window.__rtts !== undefined")
+    pg.wait_for_function("window.__rtts !== undefined && window.__rtts.info !== null")
     yield pg
     context.close()
     assert not errors, errors

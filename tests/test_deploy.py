@@ -37,3 +37,19 @@ async def test_hpa_metric_is_exported():
     names = {line.split("{")[0].split(" ")[0] for line in render_metrics(app).splitlines()
              if line and not line.startswith("#")}
     assert metric in names
+
+
+def test_replicas_share_a_token_secret_from_a_kubernetes_secret():
+    """Browser tokens must work on every replica: the manifest feeds the variables the
+    server reads (RTTS_TOKEN_SECRET, RTTS_PREVIOUS_TOKEN_SECRET for rotation) from a Secret."""
+    import os
+    from unittest import mock
+
+    env = {e["name"]: e for e in docs()["Deployment"]["spec"]["template"]["spec"]
+           ["containers"][0]["env"]}
+    for name in ("RTTS_TOKEN_SECRET", "RTTS_PREVIOUS_TOKEN_SECRET"):
+        assert "secretKeyRef" in env[name]["valueFrom"]
+    with mock.patch.dict(os.environ, {"RTTS_TOKEN_SECRET": "c" * 40,
+                                      "RTTS_PREVIOUS_TOKEN_SECRET": "p" * 40}):
+        cfg = config_from_args(build_parser().parse_args(["serve"]))
+    assert cfg.auth.token_secret == b"c" * 40 and cfg.auth.previous_token_secret == b"p" * 40

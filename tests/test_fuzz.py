@@ -8,6 +8,7 @@ serving other clients and leaks no connection, queued request or running batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -33,6 +34,8 @@ message = st.one_of(
     st.builds(lambda c: {"type": "flush", "context_id": c}, st.sampled_from(CIDS)),
     st.builds(lambda c: {"type": "cancel", "context_id": c}, st.sampled_from(CIDS)),
     st.builds(lambda c: {"type": "end", "context_id": c}, st.sampled_from(CIDS)),
+    st.builds(lambda c, ms: {"type": "playback", "context_id": c, "played_ms": ms},
+              st.sampled_from(CIDS), st.one_of(st.floats(-10, 1e9), st.just("x"))),
     st.just({"type": "nonsense"}),
 )
 
@@ -156,9 +159,10 @@ async def test_socket_fuzz_leaves_server_healthy():
 
 
 def rng_message(r: random.Random) -> dict[str, object]:
-    kinds = ["start", "text", "flush", "cancel", "end", "bogus"]
+    kinds = ["start", "text", "flush", "cancel", "end", "playback", "bogus"]
     msg: dict[str, object] = {"type": r.choice(kinds), "context_id": r.choice(CIDS + ["!!"])}
-    for key in ("text", "temperature", "sample_rate", "top_K", "voice", "speed"):
+    for key in ("text", "temperature", "sample_rate", "top_K", "voice", "speed", "played_ms",
+                "buffered_ms", "timings"):
         if r.random() < 0.3:
             msg[key] = r.choice([None, -1, 0, 1.5, "x", [], {}, 10**9, "seed:1", 16000])
     return msg
@@ -276,3 +280,139 @@ async def test_http_fuzz_never_drops_or_500s_and_errors_are_openai_shaped(caplog
     tracebacks = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
     assert not tracebacks, tracebacks[0].getMessage()
     print(f"http fuzz statuses: {statuses}")
+
+
+# -- the ElevenLabs-compatible sockets and HTTP streams, and the Wyoming listener -----------
+
+EL_FIELDS = {"text": [" ", "", "Hello there. ", "你好，世界。", None, 5, [], "x" * 30000],
+             "context_id": ["a", "b", "", None, 7, "c" * 200],
+             "flush": [True, False, "yes", None], "close_context": [True, False, 1],
+             "try_trigger_generation": [True, 0], "voice_settings": [{"speed": 1.1},
+                                                                     {"speed": "x"}, 3, None],
+             "generation_config": [{"chunk_length_schedule": [50]},
+                                   {"chunk_length_schedule": [0, "x"]}, "no"],
+             "xi_api_key": ["k", 5], "close_socket": [False, False, False, True]}
+EL_QUERIES = ["", "?output_format=pcm_16000", "?output_format=mp3_44100_128",
+              "?output_format=ulaw_8000", "?output_format=nope", "?inactivity_timeout=0",
+              "?auto_mode=true&model_id=x&sync_alignment=true&apply_text_normalization=off"]
+
+
+def el_message(r: random.Random) -> str | bytes:
+    roll = r.random()
+    if roll < 0.08:
+        return bytes(r.getrandbits(8) for _ in range(r.randint(0, 40)))
+    if roll < 0.16:
+        return "".join(chr(r.randint(32, 0x2FFF)) for _ in range(r.randint(0, 40)))
+    msg = {k: r.choice(v) for k, v in EL_FIELDS.items() if r.random() < 0.35}
+    return json.dumps(msg)
+
+
+async def test_elevenlabs_and_wyoming_fuzz_leave_server_healthy(caplog):
+    from dataclasses import replace
+
+    from wyoming.client import AsyncTcpClient
+    from wyoming.tts import Synthesize
+
+    from helpers import base_config
+
+    engine = FakeEngine(ms_per_char=5)
+    closes: dict[int, int] = {}
+    tried = 0
+    async with server(replace(base_config(), wyoming_port=0), engine) as (app, url):
+        port = int(url.split(":")[2].split("/")[0])
+
+        async def socket_abuser(seed: int) -> int:
+            r = random.Random(seed)
+            kind = r.choice(["stream-input", "multi-stream-input"])
+            voice = r.choice(["alloy", "21m00Tcm4TlvDq8ikWAM", "seed:5", "bad%20id!"])
+            target = (f"ws://127.0.0.1:{port}/v1/text-to-speech/{voice}/{kind}"
+                      + r.choice(EL_QUERIES))
+            n, last, ws = 0, None, None
+            try:
+                async with connect(target, max_size=None, ping_interval=None) as ws:
+                    for _ in range(r.randint(3, 30)):
+                        n += 1
+                        await ws.send(el_message(r))
+                        if r.random() < 0.05:
+                            ws.transport.abort()
+                            return n
+                        if r.random() < 0.3:
+                            with contextlib.suppress(TimeoutError):
+                                async with asyncio.timeout(0.02):
+                                    last = json.loads(await ws.recv())
+                    await ws.send(json.dumps({"close_socket": True}))
+                    async with asyncio.timeout(10):
+                        async for raw in ws:
+                            last = json.loads(raw)
+            except ConnectionClosed as exc:
+                with contextlib.suppress(ConnectionClosed):
+                    while ws is not None:  # messages that arrived before the close
+                        last = json.loads(await ws.recv())
+                code = exc.rcvd.code if exc.rcvd is not None else 1006
+                closes[code] = closes.get(code, 0) + 1
+                assert code in (1000, 1008, 1009), (code, last)
+                if code == 1008:  # the error message came first, in ElevenLabs' shape
+                    assert last is not None and last["code"] == 1008 and last["message"]
+                return n
+            closes[1000] = closes.get(1000, 0) + 1
+            return n
+
+        async def wyoming_abuser(seed: int) -> int:
+            r = random.Random(seed)
+            reader, writer = await asyncio.open_connection("127.0.0.1", app.wyoming.port)
+            n = 0
+            try:
+                for _ in range(r.randint(3, 20)):
+                    n += 1
+                    roll = r.random()
+                    if roll < 0.2:
+                        line = bytes(r.getrandbits(8) for _ in range(r.randint(0, 60)))
+                        writer.write(line.replace(b"\n", b"") + b"\n")
+                    else:
+                        kind = r.choice(["synthesize", "synthesize-start", "synthesize-chunk",
+                                         "synthesize-stop", "describe", "ping", "bogus"])
+                        data = {k: r.choice(v) for k, v in {
+                            "text": ["Hi there.", "", 5, None, "好。"],
+                            "voice": [{"name": "alloy"}, {"name": "nobody"}, "x", None]}.items()
+                            if r.random() < 0.7}
+                        header: dict[str, object] = {"type": kind, "data": data}
+                        if r.random() < 0.1:
+                            header["data_length"] = r.choice([-1, "x", 5])
+                        writer.write(json.dumps(header).encode() + b"\n")
+                    await writer.drain()
+                    if r.random() < 0.3:
+                        await asyncio.sleep(0.01)
+            except ConnectionError:
+                pass
+            finally:
+                writer.close()
+            return n
+
+        for round_ in range(3):
+            counts = await asyncio.gather(
+                *(socket_abuser(round_ * 100 + i) for i in range(20)),
+                *(wyoming_abuser(round_ * 100 + i) for i in range(10)))
+            tried += sum(counts)
+        # well-behaved clients are still served
+        async with connect(f"ws://127.0.0.1:{port}/v1/text-to-speech/alloy/stream-input"
+                           "?output_format=pcm_24000") as ws:
+            await ws.send(json.dumps({"text": " "}))
+            await ws.send(json.dumps({"text": "Still here after the storm."}))
+            await ws.send(json.dumps({"text": ""}))
+            finals = [json.loads(m) for m in [m async for m in ws]]
+            assert finals[-1] == {"isFinal": True}
+        async with AsyncTcpClient("127.0.0.1", app.wyoming.port) as wc:
+            await wc.write_event(Synthesize(text="Still here.").event())
+            while (event := await asyncio.wait_for(wc.read_event(), 10)).type != "audio-stop":
+                assert event.type in ("audio-start", "audio-chunk")
+        for _ in range(100):
+            if (not app.elevenlabs.sockets and not app.wyoming.connections
+                    and app.scheduler.running_batches == 0 and app.scheduler.queue_depth == 0):
+                break
+            await asyncio.sleep(0.05)
+        assert not app.elevenlabs.sockets and not app.wyoming.connections
+        assert app.scheduler.running_batches == 0 and app.scheduler.queue_depth == 0
+    tracebacks = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert not tracebacks, tracebacks[0].getMessage()
+    print(f"elevenlabs/wyoming fuzz: {tried} inputs, socket closes {closes}")
+    assert tried > 300 and closes.get(1008, 0) > 5

@@ -1,7 +1,8 @@
 """Scale-out: two ``rtts serve`` processes behind a real nginx (WebSocket upgrade,
 ``least_conn``) sharing a real redis-server phrase cache, all on loopback.
 
-Shows: sessions spread over both instances; audio synthesized on one instance is a
+Shows: sessions spread over both instances, all opened with one browser token that
+instance A issued (the replicas share ``--token-secret``); audio synthesized on one instance is a
 cache hit on the other; SIGTERM on one instance lets its active session finish while
 every new session lands on the other. The fake engine (the documented test double)
 stands in for the model: this is about the servers, the proxy and the cache.
@@ -70,6 +71,17 @@ class Session:
         return started, bytes(self.audio[start:])
 
 
+API_KEY = "scaleout-key-0123456789"
+TOKEN_SECRET = "scaleout-secret-0123456789abcdef0123"
+
+
+def browser_token(port: int) -> str:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/token",
+                                 headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return str(json.loads(r.read())["token"])
+
+
 def metric(port: int, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
@@ -80,8 +92,9 @@ def metric(port: int, name: str) -> float:
 
 async def test_two_instances_behind_nginx_share_cache_and_drain(redis_url, tmp_path):
     port_a, port_b = free_port(), free_port()
+    # Auth on, one shared token secret: a browser token from A opens sessions on B too.
     common = ["--engine", "fake", "--fake-rtf", "1.0", "--cache-redis", redis_url,
-              "--shutdown-grace", "20"]
+              "--shutdown-grace", "20", "--api-key", API_KEY, "--token-secret", TOKEN_SECRET]
     (tmp_path / "nginx").mkdir()
     with contextlib.ExitStack() as stack:
         proc_a = stack.enter_context(start_rtts(
@@ -89,7 +102,8 @@ async def test_two_instances_behind_nginx_share_cache_and_drain(redis_url, tmp_p
         stack.enter_context(start_rtts([*common, "--instance-id", "B"], port_b,
                                        tmp_path / "b.log"))
         proxy = stack.enter_context(start_nginx(tmp_path / "nginx", [port_a, port_b]))
-        url = f"ws://127.0.0.1:{proxy}/v1/stream"
+        token = await asyncio.to_thread(browser_token, port_a)  # issued by A only
+        url = f"ws://127.0.0.1:{proxy}/v1/stream?token={token}"
 
         # 1. least_conn spreads held sessions over both instances.
         sessions = [await Session.open(url) for _ in range(4)]

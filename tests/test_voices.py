@@ -457,4 +457,4 @@ def test_cli_flag_and_openapi(tmp_path, monkeypatch):
     assert config_from_args(args).voices_dir == tmp_path / "env"
     paths = openapi_schema(Service(base_config(), FakeEngine()))["paths"]
     assert set(paths["/v1/voices"]) == {"get", "post"}
-    assert set(paths["/v1/voices/{name}"]) == {"get", "delete"}
+    assert set(paths["/v1/voices/{name}"]) == {"get", "delete", "parameters"}

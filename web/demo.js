@@ -1,5 +1,5 @@
 // Demo page: streams typed or simulated-LLM text to rtts and plays it as it arrives.
-import { connect } from "./rtts-client.js";
+import { RttsClient } from "./rtts-client.js";
 
 const $ = (id) => document.getElementById(id);
 const wsUrl = new URL("/v1/stream", location.href);
@@ -43,20 +43,66 @@ function track(u) {
       li.append(meta);
     }
   });
-  u.addEventListener("error", (e) => console.warn("utterance error", e.detail));
+  u.addEventListener("error", (e) => console.warn("rtts: utterance failed:", e.detail.code,
+                                                   e.detail.message));
+  u.addEventListener("cancelled", (e) => {
+    if (e.detail.textSpoken !== undefined) {
+      $("heardtext").textContent = `“${e.detail.textSpoken}” (not heard: ${
+        e.detail.textRemaining.length} chars)`;
+    }
+  });
   return u;
 }
 
-async function ensureClient() {
+// Test hooks in the query string (the browser tests use them): backoff cap, queue deadline.
+const query = new URLSearchParams(location.search);
+const num = (key) => (query.has(key) ? Number(query.get(key)) : undefined);
+let opening = null;
+let backTimer = null;
+let countdown = null;
+
+function showState(detail) {
+  clearInterval(countdown);
+  countdown = null;
+  const c = client;
+  if (detail.state === "open") {
+    const s = c.server ?? {};
+    const label = `${s.degraded ? "degraded" : "ready"} · ${s.engine}`;
+    if (detail.back) {
+      setServer(`back · ${s.engine}`, "ok");
+      clearTimeout(backTimer);
+      backTimer = setTimeout(() => { if (c.state === "open") setServer(label, "ok"); }, 3000);
+    } else {
+      setServer(label, s.degraded ? "degraded" : "ok");
+    }
+  } else if (detail.state === "reconnecting" || detail.state === "connecting") {
+    const tickDown = () => {
+      const left = c.retryAt === null ? 0 : Math.max(0, c.retryAt - Date.now());
+      setServer(left > 0 ? `${detail.state} in ${(left / 1000).toFixed(1)} s`
+        : `${detail.state}…`, "waiting");
+    };
+    tickDown();
+    countdown = setInterval(tickDown, 200);
+  } else {
+    setServer(navigator.onLine === false ? "offline" : `offline · ${c.closedReason ?? ""}`,
+              "down");
+  }
+}
+
+/** The client, created on first use (audio needs a user gesture); it connects in the
+ * background, and speak() before it is open is queued by the client itself. */
+function getClient() {
   if (client) return client;
-  client = await connect(wsUrl.href, { reconnect: { retries: 10 } });
+  client = new RttsClient(wsUrl.href, {
+    reconnect: { maxDelayMs: num("backoff_max_ms"), baseDelayMs: num("backoff_base_ms") },
+    queue: { deadlineMs: num("queue_deadline_ms") },
+  });
   window.__rtts.client = client;
-  setServer(client.server.degraded ? "degraded" : `ready · ${client.server.engine}`,
-            client.server.degraded ? "degraded" : "ok");
-  client.addEventListener("close", () => setServer("disconnected", "down"));
-  client.addEventListener("open", (e) =>
-    setServer(e.detail.degraded ? "degraded" : `ready · ${e.detail.engine}`,
-              e.detail.degraded ? "degraded" : "ok"));
+  window.__rtts.states = [];
+  client.addEventListener("statechange", (e) => {
+    window.__rtts.states.push(e.detail.state);
+    showState(e.detail);
+  });
   client.player.addEventListener("stats", (e) => {
     const s = e.detail;
     window.__rtts.stats = s;
@@ -64,12 +110,22 @@ async function ensureClient() {
     $("underruns").textContent = String(s.underruns);
     if (current) $("heard").textContent = `${(current.heard().playedMs / 1000).toFixed(2)} s`;
   });
+  opening = client.open().catch((err) => console.warn("rtts: not connected:", err.message));
   return client;
 }
 
+/** The client once it is open (waits out an outage). */
+async function ensureClient() {
+  const c = getClient();
+  await opening;
+  return c;
+}
+
 async function speak(input) {
-  const c = await ensureClient();
-  if (current && current.state === "open") await c.cancel(current.contextId);
+  const c = getClient();
+  if (current && (current.state === "open" || current.state === "queued")) {
+    await c.cancel(current.contextId);
+  }
   return track(c.speak(input, params()));
 }
 
@@ -86,6 +142,7 @@ $("cancel").addEventListener("click", async () => {
   if (current && client) await client.cancel(current.contextId);
   live = null;
 });
+$("server").addEventListener("click", () => { client?.reconnect(); });
 $("live").addEventListener("change", async (e) => {
   if (e.target.checked) {
     const u = await speak(undefined);
@@ -132,9 +189,40 @@ function drawMeter() {
   requestAnimationFrame(drawMeter);
 }
 
-window.__rtts = { speak, ensureClient, client: null, stats: null };
-fetch("/v1/info").then((r) => r.json()).then((info) => {
+window.__rtts = { speak, ensureClient, getClient, client: null, stats: null, states: [],
+                 info: null };
+
+function showInfo(info) {
+  window.__rtts.info = info;
+  const banner = $("banner");
+  let warning = "";
+  if (info.engine === "fake") {
+    warning = "This server runs the fake test engine: you will hear tones, not speech.";
+  } else if (info.random_weights) {
+    warning = "This server runs a random-weight ChatTTS checkpoint: you will hear noise, " +
+      "not speech. Start it with real weights (--model-dir) for speech.";
+  }
+  banner.textContent = warning;
+  banner.hidden = !warning;
   if (!client) setServer(info.state === "ready" ? `ready · ${info.engine}` : info.state,
                          info.state === "ready" ? "ok" : "down");
-}).catch(() => setServer("unreachable", "down"));
+}
+
+async function loadVoices() {
+  const list = $("voices");
+  const names = [];
+  try {
+    const r = await fetch("/v1/voices");
+    if (r.ok) for (const v of (await r.json()).voices ?? []) names.push(v.name);
+  } catch {
+    // no voice list (an older server, or a key is needed): seeds only
+  }
+  for (let i = 1; i <= 5; i++) names.push(`seed:${i}`);
+  list.replaceChildren(...names.map((n) => Object.assign(document.createElement("option"),
+                                                         { value: n })));
+}
+
+fetch("/v1/info").then((r) => r.json()).then(showInfo)
+  .catch(() => setServer("unreachable", "down"));
+loadVoices();
 requestAnimationFrame(drawMeter);

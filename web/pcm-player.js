@@ -11,6 +11,8 @@ import { pcm16ToFloat32 } from "./protocol.js";
  * @property {number} [targetMs=60]  prebuffer before a track starts (grows after underruns)
  * @property {number} [maxMs=400]    largest prebuffer
  * @property {number} [fadeMs=5]     fade-out on interrupt
+ * @property {number} [interruptTimeoutMs=500] `interrupt()` resolves from the last stats
+ *   if the worklet does not answer by then (a suspended context)
  */
 
 /**
@@ -132,6 +134,12 @@ export class PcmPlayer extends EventTarget {
     return new Promise((resolve) => {
       this._pending.set(id, resolve);
       this.node.port.postMessage({ type: "interrupt", stream: track, id });
+      // A suspended or crashed worklet never answers: do not leave the caller waiting.
+      setTimeout(() => {
+        if (!this._pending.delete(id)) return;
+        const pos = this.stats?.positions?.[track];
+        resolve({ played: pos?.played ?? 0, segments: pos?.segments ?? {} });
+      }, this.options.interruptTimeoutMs ?? 500);
     });
   }
 

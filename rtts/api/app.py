@@ -3,7 +3,8 @@
 Protocol front-ends each live in their own module and only call the core:
 :mod:`rtts.api.native` (``/v1/stream``, WebSocket), :mod:`rtts.api.rest` (``/v1/tts``,
 ``/v1/token``, ``/v1/info``, ``/v1/formats``) and :mod:`rtts.api.openai`
-(``/v1/audio/speech``, ``/v1/models``, ``/v1/audio/models``, ``/v1/audio/voices``).
+(``/v1/audio/speech``, ``/v1/models``, ``/v1/audio/models``, ``/v1/audio/voices``) and
+:mod:`rtts.api.elevenlabs` (``/v1/text-to-speech/{voice_id}…``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..auth import Authenticator
 from ..core.service import Service
 from ..metrics import render_metrics
 from .common import ApiError, api_error_response
+from .elevenlabs import ElevenLabsEndpoints
 from .openai import MAX_INPUT_CHARS, OPENAI_FORMATS, VOICES, OpenAIEndpoints
 from .rest import RestEndpoints
 from .voices import VOICES_OPENAPI, VoiceEndpoints
@@ -67,8 +69,9 @@ def build_http_app(service: Service, auth: Authenticator) -> Starlette:
                                 f"{', '.join(sorted(allowed))}", code="method_not_allowed",
                            headers={"Allow": ", ".join(sorted(allowed))})
         if request.method not in ("GET", "HEAD"):
-            return _not_found(request)
-        resp = static_file(config.web_dir, request.url.path)
+            return PlainTextResponse("method not allowed\n", status_code=405,
+                                     headers={**_NO_STORE, "Allow": "GET, HEAD"})
+        resp = static_file(config.web_dir, request.url.path, head=request.method == "HEAD")
         return resp or _not_found(request)
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
@@ -93,7 +96,8 @@ def build_http_app(service: Service, auth: Authenticator) -> Starlette:
                                            code="internal_error"))
 
     api_routes = [*RestEndpoints(service, auth).routes(), *OpenAIEndpoints(service, auth).routes(),
-                  *VoiceEndpoints(service, auth).routes()]
+                  *VoiceEndpoints(service, auth).routes(),
+                  *ElevenLabsEndpoints(service, auth).routes()]
     api_methods = {r.path: set(r.methods or ()) - {"HEAD"} for r in api_routes
                    if "{" not in r.path}
     routes = [
@@ -104,7 +108,7 @@ def build_http_app(service: Service, auth: Authenticator) -> Starlette:
         Route(config.ws_path, stream_without_upgrade),
         *api_routes,
         Route("/{path:path}", static, methods=["GET", "HEAD", "POST", "PUT", "DELETE",
-                                               "PATCH"]),
+                                               "PATCH", "OPTIONS"]),
     ]
     origins = list(config.auth.allowed_origins) or ["*"]
     middleware = [Middleware(
@@ -122,25 +126,63 @@ def _not_found(request: Request) -> Response:
     return PlainTextResponse("not found\n", status_code=404, headers=_NO_STORE)
 
 
-def static_file(web_dir: Path | None, path: str) -> Response | None:
-    """Serve ``path`` from ``web_dir``; None when it is not a file there (no traversal)."""
+# What the web directory publishes: the demo, the JS library and its types. Never dotfiles
+# (``.env``), the library's own tests, or its npm/TypeScript build files.
+_HIDDEN_PARTS = frozenset({"test", "tests", "node_modules"})
+_HIDDEN_FILES = frozenset({"package.json", "package-lock.json", "tsconfig.json"})
+_MEDIA_TYPES = {".js": "text/javascript", ".mjs": "text/javascript", ".ts": "text/plain",
+                ".map": "application/json", ".css": "text/css", ".html": "text/html",
+                ".json": "application/json", ".svg": "image/svg+xml", ".wasm": "application/wasm"}
+# The demo loads only its own scripts and styles and talks to any rtts server the user
+# types in; nothing may frame it.
+_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; "
+                               "img-src 'self' data:; media-src 'self' blob: data:; "
+                               "connect-src 'self' ws: wss: http: https:; worker-src 'self' blob:; "
+                               "object-src 'none'; base-uri 'none'; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+}
+_MAX_NAME = 255
+
+
+def published(rel: str) -> bool:
+    """Whether a path under the web directory is one it publishes (pure)."""
+    parts = [p for p in rel.split("/") if p]
+    if any(p.startswith(".") or p in _HIDDEN_PARTS or len(p) > _MAX_NAME for p in parts):
+        return False
+    return not parts or parts[-1] not in _HIDDEN_FILES
+
+
+def static_file(web_dir: Path | None, path: str, head: bool = False) -> Response | None:
+    """Serve ``path`` from ``web_dir``; None when it is not a published file there (no
+    traversal, no dotfiles or build files; odd names are just not found, never a 500)."""
     if web_dir is None:
         return None
     rel = path.lstrip("/") or "index.html"
-    root = web_dir.resolve()
-    target = (root / rel).resolve()
-    if root not in target.parents and target != root:
+    if "\0" in rel or not published(rel):
         return None
-    if target.is_dir():
-        target = target / "index.html"
-    if not target.is_file():
+    try:
+        root = web_dir.resolve()
+        target = (root / rel).resolve()
+        if root not in target.parents and target != root:
+            return None
+        if target.is_dir():
+            target = target / "index.html"
+        if not target.is_file() or not published(str(target.relative_to(root))):
+            return None
+        body = b"" if head else target.read_bytes()
+        size = target.stat().st_size
+    except (OSError, ValueError):
         return None
-    ctype = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
-    if target.suffix in (".js", ".mjs"):
-        ctype = "text/javascript"
-    if ctype.startswith("text/"):
+    ctype = (_MEDIA_TYPES.get(target.suffix) or mimetypes.guess_type(target.name)[0]
+             or "application/octet-stream")
+    if ctype.startswith("text/") or ctype == "application/json":
         ctype += "; charset=utf-8"
-    return Response(target.read_bytes(), media_type=ctype, headers=_NO_STORE)
+    headers = {**_NO_STORE, **(_PAGE_HEADERS if target.suffix == ".html" else {})}
+    resp = Response(body, media_type=ctype, headers=headers)
+    resp.headers["Content-Length"] = str(size)
+    return resp
 
 
 def openapi_schema(service: Service) -> dict[str, Any]:
@@ -178,6 +220,20 @@ def openapi_schema(service: Service) -> dict[str, Any]:
                                                          "sample_rate", "format")],
                                 "responses": {"200": audio, **errors}}},
             **VOICES_OPENAPI,
+            **{f"/v1/text-to-speech/{{voice_id}}{tail}": {"post": {
+                "summary": f"ElevenLabs-compatible speech{what}",
+                "parameters": [{"name": "voice_id", "in": "path", "required": True,
+                                "schema": {"type": "string"}},
+                               {"name": "output_format", "in": "query",
+                                "schema": {"type": "string", "default": "mp3_44100_128"}}],
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"type": "object", "required": ["text"], "properties": {
+                        "text": {"type": "string"}, "voice_settings": {"type": "object"},
+                        "apply_text_normalization": {"type": "string"}}}}}},
+                "responses": {"200": {"description": "streamed" + what}}}}
+               for tail, what in (("", ""), ("/stream", " (streamed)"),
+                                  ("/stream/with-timestamps",
+                                   ": JSON lines with audio and alignment"))},
             "/v1/formats": {"get": {"summary": "audio formats",
                                     "responses": {"200": {"description": "formats"}}}},
             "/v1/token": {"get": {"summary": "short-lived browser token for a key",

@@ -23,7 +23,8 @@ from ..core.context import Audio, Done, Event, SegmentFailed, SpeechContext
 from ..core.service import Service
 from ..errors import ErrorCode, RttsError
 
-__all__ = ["ApiError", "HttpContext", "api_error_response", "authorize", "check_ready",
+__all__ = ["ApiError", "HttpContext", "api_error_response", "auth_api_error", "authorize",
+           "check_ready",
            "read_body"]
 
 
@@ -69,26 +70,33 @@ def check_ready(service: Service) -> None:
 
 
 def authorize(auth: Authenticator, service: Service, request: Request, *,
-              admit: bool = True) -> str:
-    """Check origin, key (``Authorization: Bearer`` or ``?token=``) and, with ``admit``, the
-    per-key quota; returns the key id, to :meth:`Authenticator.release` (after an admit)
-    when the response ends."""
+              admit: bool = True, key: str | None = None) -> str:
+    """Check origin, key (``Authorization: Bearer``, ``key`` from a protocol's own header,
+    or ``?token=``) and, with ``admit``, the per-key quota; returns the key id, to
+    :meth:`Authenticator.release` (after an admit) when the response ends. Every HTTP
+    surface that synthesizes or reveals server data calls this."""
     try:
         auth.check_origin(request.headers.get("origin"))
         kid = auth.identify(request.headers.get("authorization"),
-                            request.query_params.get("token"), time.time())
+                            request.query_params.get("token"), time.time(), key=key)
         if admit:
             auth.admit(kid, time.monotonic())
     except AuthError as exc:
         service.stats.auth_rejected += 1
-        if exc.status == 401:
-            raise ApiError(401, exc.reason, code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"}) from None
-        if exc.status == 429:
-            raise ApiError(429, exc.reason, type="requests", code="rate_limit_exceeded",
-                           headers={"Retry-After": "10"}) from None
-        raise ApiError(exc.status, exc.reason, code="forbidden") from None
+        service.stats.auth_rejected_by[exc.kind] += 1
+        raise auth_api_error(exc) from None
     return kid
+
+
+def auth_api_error(exc: AuthError) -> ApiError:
+    """The OpenAI-shaped HTTP error for an :class:`AuthError`."""
+    if exc.status == 401:
+        return ApiError(401, exc.reason, code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"})
+    if exc.status == 429:
+        return ApiError(429, exc.reason, type="requests", code="rate_limit_exceeded",
+                        headers={"Retry-After": str(exc.retry_after_s or 1)})
+    return ApiError(exc.status, exc.reason, code="forbidden")
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -25,7 +25,7 @@ import functools
 import logging
 import secrets
 import time
-import urllib.parse
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +36,12 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from ..audio import StreamingResampler, float_to_pcm16
-from ..auth import Authenticator, AuthError
+from ..auth import Authenticator
 from ..codecs import Encoder, open_encoder
 from ..core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
 from ..core.service import Service
 from ..errors import (
+    CLOSE_IDLE,
     CLOSE_POLICY_VIOLATION,
     CLOSE_SLOW_CLIENT,
     CLOSE_TRY_AGAIN_LATER,
@@ -52,6 +53,7 @@ from ..http import respond
 from ..pacing import LeadPacer
 from ..protocol import (
     SUPPORTED_FORMATS,
+    CancelMessage,
     FrameHeader,
     StartMessage,
     pack_frame,
@@ -62,11 +64,13 @@ from ..session import (
     Action,
     CancelContext,
     ContextState,
+    Playback,
     SendEvent,
     Session,
     StartContext,
     Synthesize,
 )
+from .admission import WsAdmission
 
 __all__ = ["Connection", "ContextPipeline", "NativeEndpoint"]
 
@@ -82,40 +86,19 @@ class NativeEndpoint:
         self.config = service.config
         self.stats = service.stats
         self.connections: set[Connection] = set()
-        self._principals: dict[int, str] = {}  # connection id -> key id, handshake to handler
+        self.admission = WsAdmission(service, auth)
 
     def process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        """The WebSocket handshake: readiness, capacity, origin, key/token and quotas."""
+        """The WebSocket handshake: the path, then :meth:`WsAdmission.handshake`."""
         path = request.path.split("?", 1)[0]
         if path != self.config.ws_path:
             return respond(404, "not found\n")
-        service = self.service
-        if service.state != "ready":
-            return respond(503, f"not ready: {service.state_reason}\n",
-                           extra=[("Retry-After", "1")])
-        if len(self.connections) >= self.config.max_connections:
-            return respond(503, "too many connections\n", extra=[("Retry-After", "1")])
-        query = urllib.parse.parse_qs(urllib.parse.urlsplit(request.path).query)
-        try:
-            self.auth.check_origin(request.headers.get("Origin"))
-            token = query["token"][0] if query.get("token") else None
-            kid = self.auth.identify(request.headers.get("Authorization"), token, time.time())
-            self.auth.admit(kid, time.monotonic())
-        except AuthError as exc:
-            self.stats.auth_rejected += 1
-            extra = [("Retry-After", "10")] if exc.status == 429 else []
-            if exc.status == 401:
-                extra.append(("WWW-Authenticate", "Bearer"))
-            return respond(exc.status, f"{exc.reason}\n", extra=extra)
-        self._principals[id(connection)] = kid
-        return None
+        return self.admission.handshake(connection, request)
 
     async def handle(self, ws: ServerConnection) -> None:
-        kid = self._principals.pop(id(ws), "anonymous")
-        try:
-            await self._handle(ws)
-        finally:
-            self.auth.release(kid)
+        async with self.admission.session(ws) as principal:
+            if principal is not None:
+                await self._handle(ws)
 
     async def _handle(self, ws: ServerConnection) -> None:
         service = self.service
@@ -151,6 +134,8 @@ class NativeEndpoint:
         return sum(len(c.session.contexts) for c in self.connections)
 
 
+_DEAD_SERIALS_KEPT = 1024
+
 # Below this many bytes waiting in the transport, ws.send() writes without waiting
 # (websockets pauses writers above its write_limit, 256 KiB here).
 _DIRECT_WRITE_BYTES = 64 * 1024
@@ -176,12 +161,15 @@ class Connection:
         self.out: asyncio.Queue[tuple[int, str | bytes | _Close, float]] = asyncio.Queue(
             maxsize=app.config.send_queue_frames)
         self.pipelines: dict[str, ContextPipeline] = {}
-        self.dead_streams: set[int] = set()
+        # serials of cancelled contexts whose queued frames must not be sent; bounded: the
+        # send queue is FIFO and shorter than this, so older ones have no frames left
+        self.dead_serials: OrderedDict[int, None] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
         self._timer_wakeup = asyncio.Event()
         self._closing = False
         self._close_task: asyncio.Task[None] | None = None
         self._writer_task: asyncio.Task[None] | None = None
+        self.last_activity = time.monotonic()  # last client message or open context
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.create_task(coro, name=name)
@@ -192,6 +180,8 @@ class Connection:
     async def run(self) -> None:
         self._writer_task = self._spawn(self._writer(), "rtts-writer")
         self._spawn(self._timer(), "rtts-idle-flush")
+        if self.cfg.idle_timeout_s:
+            self._spawn(self._idle_watch(self.cfg.idle_timeout_s), "rtts-idle-timeout")
         try:
             await self.send(0, self.session.hello(
                 engine=self.app.engine.name, weights=self.app.weights(),
@@ -235,23 +225,23 @@ class Connection:
 
     # -- outbound ------------------------------------------------------------------
 
-    async def send(self, stream: int, item: dict[str, Any] | bytes,
+    async def send(self, serial: int, item: dict[str, Any] | bytes,
                    produced_at: float = 0.0) -> None:
         """Queue an event or frame; wait for space (pacing); close 4008 if it never comes."""
         payload = orjson.dumps(item).decode() if isinstance(item, dict) else item
         if self._can_write_now():
             # Nothing queued ahead and the socket takes it at once: write it here, without
             # a hop through the writer task (about a third of a frame's cost on the loop).
-            await self._write(stream, payload, produced_at)
+            await self._write(serial, payload, produced_at)
             return
         try:
-            self.out.put_nowait((stream, payload, produced_at))
+            self.out.put_nowait((serial, payload, produced_at))
             return  # no timer to arm and cancel
         except asyncio.QueueFull:
             pass
         try:
             async with asyncio.timeout(self.cfg.slow_client_timeout_s):
-                await self.out.put((stream, payload, produced_at))
+                await self.out.put((serial, payload, produced_at))
         except TimeoutError:
             if self._close_task is None:
                 logger.warning("session %s: client too slow, closing",
@@ -270,9 +260,9 @@ class Connection:
         transport = self.ws.transport
         return transport is not None and transport.get_write_buffer_size() < _DIRECT_WRITE_BYTES
 
-    async def _write(self, stream: int, payload: str | bytes, produced_at: float) -> None:
-        if stream and stream in self.dead_streams and isinstance(payload, bytes):
-            return  # late frame of a cancelled context
+    async def _write(self, serial: int, payload: str | bytes, produced_at: float) -> None:
+        if serial and serial in self.dead_serials and isinstance(payload, bytes):
+            return  # late frame of a cancelled context (by serial)
         await self.ws.send(payload)
         if isinstance(payload, bytes):
             stats = self.app.stats
@@ -286,16 +276,17 @@ class Connection:
 
     async def _write_loop(self) -> None:
         while True:
-            stream, payload, produced_at = await self.out.get()
+            serial, payload, produced_at = await self.out.get()
             if isinstance(payload, _Close):
                 await self.close(payload.code, payload.reason)
                 return
-            await self._write(stream, payload, produced_at)
+            await self._write(serial, payload, produced_at)
 
     # -- inbound -------------------------------------------------------------------
 
     async def _reader(self) -> None:
         async for message in self.ws:
+            self.last_activity = time.monotonic()
             if isinstance(message, bytes):
                 await self._protocol_error(ProtocolError(
                     "binary messages are not accepted; send JSON text",
@@ -306,6 +297,8 @@ class Connection:
                     message, max_text_chars=self.cfg.limits.max_text_chars_per_message)
                 if isinstance(msg, StartMessage):
                     self._check_start(msg)
+                elif isinstance(msg, CancelMessage):
+                    self._estimate_playback(msg.context_id)
                 actions = self.session.receive(msg)
             except ProtocolError as exc:
                 await self._protocol_error(exc, _peek_context(message))
@@ -316,6 +309,14 @@ class Connection:
     def _check_start(self, msg: StartMessage) -> None:
         self.app.check_admission()
         self.app.validate_params(msg.params)
+
+    def _estimate_playback(self, context_id: str) -> None:
+        """Before a cancel: the pacer's idea of the playback position, for a context whose
+        client never reported one (heard text is then estimated)."""
+        ctx = self.session.contexts.get(context_id)
+        pipeline = self.pipelines.get(context_id)
+        if ctx is not None and pipeline is not None:
+            ctx.estimated_played_ms = 1000.0 * pipeline.pacer.played(time.monotonic())
 
     def notify(self, event: dict[str, Any]) -> None:
         """Queue an event without waiting (server-state broadcasts); dropped if full."""
@@ -347,9 +348,15 @@ class Connection:
                 target = self.pipelines.get(action.context_id)
                 if target is not None:
                     target.add(action)
+            elif isinstance(action, Playback):
+                target = self.pipelines.get(action.context_id)
+                if target is not None:
+                    target.pacer.report(action.played_ms / 1000.0)
             elif isinstance(action, CancelContext):
                 self.app.stats.cancels += 1
-                self.dead_streams.add(action.stream)
+                self.dead_serials[action.serial] = None
+                if len(self.dead_serials) > _DEAD_SERIALS_KEPT:
+                    self.dead_serials.popitem(last=False)
                 cancelled = self.pipelines.pop(action.context_id, None)
                 if cancelled is not None:
                     cancelled.cancel()
@@ -365,6 +372,22 @@ class Connection:
         if not task.cancelled() and (exc := task.exception()) is not None and not isinstance(
                 exc, ConnectionClosed):
             logger.error("context %s pipeline failed", cid, exc_info=exc)
+
+    async def _idle_watch(self, timeout_s: float) -> None:
+        """Close (4000, behind anything queued) a connection that has had no open context
+        and no message for ``timeout_s``: an idle socket must not hold a slot forever."""
+        while True:
+            now = time.monotonic()
+            if self.session.contexts or self.pipelines:
+                self.last_activity = now
+            wait = self.last_activity + timeout_s - now
+            if wait <= 0:
+                break
+            await asyncio.sleep(min(wait, timeout_s))
+        self.app.stats.idle_closed += 1
+        logger.info("session %s: idle for %.0fs, closing", self.session.session_id, timeout_s)
+        await self.out.put((0, _Close(CLOSE_IDLE, "idle timeout"), 0.0))
+        self._close_task = self._writer_task
 
     async def _timer(self) -> None:
         while True:
@@ -447,7 +470,7 @@ class ContextPipeline:
                     self.app.stats.audio_seconds_sent += segment.total / ctx.sample_rate
                     await conn._apply(conn.session.segment_done(
                         ctx.context_id, event.index, self.chunks.pop(event.index),
-                        segment.total, segment.seq))
+                        segment.total, segment.seq, event.timings))
                     segment = None
                 elif isinstance(event, SegmentFailed):
                     self.chunks.pop(event.index, None)
@@ -494,11 +517,11 @@ class _SegmentOut:
             piece = samples[i:i + self.frame_len]
             wait = pacer.delay(time.monotonic())
             if wait > 0:
-                await asyncio.sleep(wait)
+                await _pace(pacer, wait)
                 if produced_at:  # pacing is not latency: count from the end of the wait
                     produced_at = time.monotonic()
             header = FrameHeader(ctx.stream, self.index, self.seq)
-            await conn.send(ctx.stream, pack_frame(header, float_to_pcm16(piece)), produced_at)
+            await conn.send(ctx.serial, pack_frame(header, float_to_pcm16(piece)), produced_at)
             self.seq += 1
             self.total += len(piece)
             pacer.sent(len(piece) / rate, time.monotonic())
@@ -519,16 +542,27 @@ class _SegmentOut:
             return
         wait = p.pacer.delay(time.monotonic())
         if wait > 0:
-            await asyncio.sleep(wait)
+            await _pace(p.pacer, wait)
             if produced_at:
                 produced_at = time.monotonic()
         header = FrameHeader(p.ctx.stream, self.index, self.seq)
-        await p.conn.send(p.ctx.stream, pack_frame(header, data), produced_at)
+        await p.conn.send(p.ctx.serial, pack_frame(header, data), produced_at)
         self.seq += 1
         p.pacer.sent(n / p.ctx.sample_rate, time.monotonic())
         if not p.first_audio_sent:
             p.first_audio_sent = True
             p.app.stats.ttfa_s.append(time.monotonic() - self.submitted_at)
+
+
+async def _pace(pacer: LeadPacer, wait: float) -> None:
+    """Wait until the pacer lets the next frame go. One wait does it on the wall-clock
+    estimate; on a client's reported position, ask again after each wait (a slowly playing
+    client's report may not have moved), at least 10 ms apart."""
+    while wait > 0:
+        await asyncio.sleep(max(wait, 0.01) if pacer.reported else wait)
+        if not pacer.reported:
+            return
+        wait = pacer.delay(time.monotonic())
 
 
 def _peek_context(message: str) -> str | None:

@@ -7,7 +7,6 @@ streaming header), through the same core context as every other protocol.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any, Final
 
@@ -27,6 +26,22 @@ from .common import ApiError, HttpContext, authorize, check_ready
 __all__ = ["RestEndpoints"]
 
 MAX_TTS_CHARS: Final = 5000
+
+
+_MAX_INT = 2**31 - 1
+
+
+def _number(name: str, value: str, *, integer: bool) -> int | float:
+    """A query number, or a 400 naming the parameter (never a 500 on absurd values)."""
+    try:
+        number: int | float = int(value) if integer else float(value)
+    except ValueError:
+        kind = "an integer" if integer else "a number"
+        raise ApiError(400, f"{name} must be {kind}", param=name,
+                       code="invalid_params") from None
+    if abs(number) > _MAX_INT or number != number:
+        raise ApiError(400, f"{name} is out of range", param=name, code="invalid_params")
+    return number
 
 
 class RestEndpoints:
@@ -63,12 +78,8 @@ class RestEndpoints:
         for key, value in query.items():
             if key == "voice":
                 start[key] = value
-            elif key in ("seed", "top_K", "speed", "sample_rate"):
-                with contextlib.suppress(ValueError):
-                    start[key] = int(value)
-            elif key in ("temperature", "top_P"):
-                with contextlib.suppress(ValueError):
-                    start[key] = float(value)
+            elif key in ("seed", "top_K", "speed", "sample_rate", "temperature", "top_P"):
+                start[key] = _number(key, value, integer=key not in ("temperature", "top_P"))
         try:
             msg = parse_client_message(orjson.dumps(start))
             assert isinstance(msg, StartMessage)

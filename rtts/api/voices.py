@@ -69,7 +69,8 @@ class VoiceEndpoints:
         except orjson.JSONDecodeError:
             raise ApiError(400, "the request body is not valid JSON",
                            code="invalid_json") from None
-        if isinstance(body, dict) and body.get("name") in OPENAI_VOICES:
+        if isinstance(body, dict) and isinstance(body.get("name"), str) and \
+                body["name"] in OPENAI_VOICES:
             raise ApiError(409, f"{body['name']!r} is a built-in (OpenAI) voice name",
                            param="name", code="voice_exists")
         try:
@@ -121,6 +122,8 @@ VOICES_OPENAPI: Final[dict[str, Any]] = {
                  "responses": {"201": {"description": "created"}, "400": _ERR,
                                "409": _ERR}}},
     "/v1/voices/{name}": {
+        "parameters": [{"name": "name", "in": "path", "required": True,
+                        "schema": {"type": "string"}}],
         "get": {"summary": "one named voice", "responses": {"200": {"description": "voice"},
                                                              "404": _ERR}},
         "delete": {"summary": "delete a stored voice",

@@ -13,7 +13,7 @@ import asyncio
 import gc
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -50,6 +50,9 @@ class Stats:
     protocol_errors: int = 0
     rejected: int = 0
     auth_rejected: int = 0
+    # refusals by reason: unauthorized, forbidden_origin, quota, client_connections
+    auth_rejected_by: Counter[str] = field(default_factory=Counter)
+    idle_closed: int = 0  # WebSockets closed by the idle timeout
     frames_sent: int = 0
     audio_seconds_sent: float = 0.0
     http_requests: int = 0
@@ -257,6 +260,7 @@ class Service:
                 "weights": self.weights(),
                 "device": self.engine.device, "engine_sample_rate": self.engine.sample_rate,
                 "state": self.state, "ws_path": self.config.ws_path,
+                "random_weights": bool(getattr(self.engine, "random_weights", False)),
                 "instance": self.config.instance_id,
                 "cache": {"memory_mb": self.config.cache.memory_mb,
                           "redis": self.config.cache.redis_url is not None},

@@ -14,6 +14,8 @@ export function createAudioContext(sampleRate: number): AudioContext;
  * @property {number} [targetMs=60]  prebuffer before a track starts (grows after underruns)
  * @property {number} [maxMs=400]    largest prebuffer
  * @property {number} [fadeMs=5]     fade-out on interrupt
+ * @property {number} [interruptTimeoutMs=500] `interrupt()` resolves from the last stats
+ *   if the worklet does not answer by then (a suspended context)
  */
 /**
  * @typedef {object} PlayerStats
@@ -99,6 +101,11 @@ export type PlayerOptions = {
      * fade-out on interrupt
      */
     fadeMs?: number;
+    /**
+     * `interrupt()` resolves from the last stats
+     * if the worklet does not answer by then (a suspended context)
+     */
+    interruptTimeoutMs?: number;
 };
 export type PlayerStats = {
     /**

@@ -1,13 +1,22 @@
 /**
- * Connect to an rtts server and get a ready client.
+ * Connect to an rtts server and get a ready client (waits out an outage, see `open()`).
  * @param {string} url e.g. "ws://localhost:8765/v1/stream"
  * @param {ConnectOptions} [options]
  * @returns {Promise<RttsClient>}
  */
 export function connect(url: string, options?: ConnectOptions): Promise<RttsClient>;
 export { PcmPlayer } from "./pcm-player.js";
-/** One utterance (a server "context"): events `started`, `segment`, `done`, `ended`,
- * `cancelled`, `error`. */
+/**
+ * @typedef {object} Heard
+ * @property {number} playedMs   what the player really played of this utterance
+ * @property {Array<{segment: number, text: string, heardMs: number}>} segments
+ * @property {number} [heardMs]        the server's figure (from the playback reports)
+ * @property {string} [textSpoken]     the input up to the last heard character (server)
+ * @property {string} [textRemaining]  the rest of the input (server)
+ */
+/** One utterance (a server "context"): events `started`, `segment_started`, `segment`,
+ * `audio`, `done`, `ended`, `cancelled`, `error`. `state`: `queued` (waiting for the
+ * connection), `open`, `done`, `cancelled`, `error`. */
 export class Utterance extends EventTarget {
     /** @param {RttsClient} client @param {string} contextId */
     constructor(client: RttsClient, contextId: string);
@@ -34,22 +43,28 @@ export class Utterance extends EventTarget {
         heardMs: number;
         cached: boolean;
     }>;
-    state: string;
+    /** @type {"queued" | "open" | "done" | "cancelled" | "error"} */
+    state: "queued" | "open" | "done" | "cancelled" | "error";
     audioMs: number;
-    /** @type {Promise<{segments: number, audioMs: number}>} resolves on server `done` */
+    /** @type {Promise<{segments: number, audioMs: number, cancelled?: boolean}>} resolves
+     * on the server's `done` (or on cancel, with `cancelled: true`); rejects on error */
     done: Promise<{
         segments: number;
         audioMs: number;
+        cancelled?: boolean;
     }>;
     _resolve: (value: {
         segments: number;
         audioMs: number;
+        cancelled?: boolean;
     } | PromiseLike<{
         segments: number;
         audioMs: number;
+        cancelled?: boolean;
     }>) => void;
     _reject: (reason?: any) => void;
-    /** @type {Promise<{played: number, segments: Object<string, number>}>} playback over */
+    /** @type {Promise<{played: number, segments: Object<string, number>}>} playback over
+     * (always settles: ended, cancelled or failed) */
     ended: Promise<{
         played: number;
         segments: {
@@ -67,27 +82,36 @@ export class Utterance extends EventTarget {
             [x: string]: number;
         };
     }>) => void;
+    /** @type {Array<object>} messages waiting for the connection (state `queued`) */
+    _queue: Array<object>;
+    _deadline: any;
+    _reportedMs: number;
+    _reportAt: number;
+    /** @type {((msg: object) => void) | null} */
+    _onServerCancelled: ((msg: object) => void) | null;
+    /** @type {Promise<Heard> | null} */
+    _cancelling: Promise<Heard> | null;
+    _inputEnded: boolean;
     _emit(type: any, detail: any): void;
-    /** Stop this utterance now (server generation and local playback). */
-    cancel(): Promise<{
-        playedMs: number;
-        segments: any[];
-    }>;
-    /** Append text (for utterances opened with `speak()` and no input). @param {string} text */
+    /** Stop this utterance now (server generation and local playback).
+     * @returns {Promise<Heard>} */
+    cancel(): Promise<Heard>;
+    /** Append text (for utterances opened with `speak()` and no input). Ignored once the
+     * input has ended or the utterance is over. @param {string} text */
     write(text: string): void;
     /** Synthesize what is buffered now, without waiting for punctuation. */
     flush(): void;
     /** No more text: the server finishes the audio and `done` follows. */
     end(): void;
-    /** How much of each segment was actually heard, in ms. */
-    heard(): {
-        playedMs: number;
-        segments: {
-            segment: number;
-            text: string;
-            heardMs: number;
-        }[];
-    };
+    /**
+     * Report playback yourself (a client created with `play: false` and its own player):
+     * ms of this utterance's audio really played. The server paces on it.
+     * @param {number} playedMs @param {number} [bufferedMs]
+     */
+    reportPlayback(playedMs: number, bufferedMs?: number): void;
+    /** How much of each segment was actually heard, in ms.
+     * @returns {Heard} */
+    heard(): Heard;
 }
 export class RttsClient extends EventTarget {
     /** @param {string} url @param {ConnectOptions} [options] */
@@ -111,17 +135,63 @@ export class RttsClient extends EventTarget {
     byStream: Map<any, any>;
     byTrack: Map<any, any>;
     server: any;
-    state: string;
+    /** @type {"connecting" | "open" | "reconnecting" | "closed"} */
+    state: "connecting" | "open" | "reconnecting" | "closed";
+    /** @type {string | null} why the client is `closed` */
+    closedReason: string | null;
+    /** @type {number | null} when the next attempt starts (Date.now() ms), while waiting */
+    retryAt: number | null;
     _closedByUser: boolean;
+    _disposed: boolean;
     _attempt: number;
-    /** Open the socket (and the audio player); resolves on the server's `ready`. */
-    open(): Promise<void>;
-    _connectOnce(): Promise<any>;
-    _onClose(code: any, reason: any): void;
-    _send(obj: any): void;
+    _connecting: boolean;
+    _playerReady: boolean;
+    _gen: number;
+    _timer: number;
+    _queued: number;
+    /** @type {Utterance[]} utterances waiting for the connection, in creation order */
+    _pending: Utterance[];
+    /** @type {Array<{open: (c: RttsClient) => void, closed: (reason: string) => void}>} */
+    _waiters: Array<{
+        open: (c: RttsClient) => void;
+        closed: (reason: string) => void;
+    }>;
+    _wakeUp: () => void;
+    _onVisibility: () => void;
+    /** @type {any} */
+    _window: any;
+    get _retry(): ReconnectOptions;
+    _setState(state: any, detail?: {}): void;
+    /** Open the socket (and the audio player). Resolves on the server's `ready`; a failed
+     * attempt is retried like any outage. Rejects once the client is `closed` (close(), a
+     * permanent close code, or `retries` used up). */
+    open(): Promise<any>;
+    /**
+     * Reconnect now: from `reconnecting` (skip the wait) or `closed` (start again with a
+     * fresh backoff). Resolves true once open, false if the client ends up `closed` (after
+     * `close()` it stays closed: false at once). Never rejects.
+     * @returns {Promise<boolean>}
+     */
+    reconnect(): Promise<boolean>;
+    /** Start the audio player (once), then the first attempt. */
+    _startConnect(): Promise<void>;
+    /** The browser came online or the tab became visible: do not wait out the backoff. */
+    _wake(): void;
+    _attemptConnect(): Promise<void>;
+    _onReady(msg: any): void;
+    _socketClosed(ws: any, code: any, reason: any, wasReady: any): void;
+    _attemptFailed(code: any, reason: any): void;
+    _giveUp(reason: any): void;
+    /** Send a message now if the socket is open. Never throws. @returns {boolean} */
+    _send(obj: any): boolean;
+    /** A message of one utterance: sent, queued with it, or ignored once it is over. */
+    _sendFor(u: any, msg: any): boolean;
     /**
      * Speak text: a string, or an (async) iterable of text pieces such as LLM tokens.
      * With no input the utterance stays open: feed it with `write()`, then `end()`.
+     * While the client is (re)connecting the utterance is queued and sent on reconnect;
+     * when it is `closed`, the utterance fails at once (its `error` event fires and `done`
+     * rejects, after speak() returns).
      * @param {string | Iterable<string> | AsyncIterable<string>} [input]
      * @param {SpeakOptions} [options]
      * @returns {Utterance}
@@ -130,20 +200,27 @@ export class RttsClient extends EventTarget {
     _feed(u: any, input: any): Promise<void>;
     /** Synthesize what is buffered for a context now. @param {string} contextId */
     flush(contextId: string): void;
+    /** Send a `playback` report for an utterance (rate-limited unless `force`). */
+    _report(u: any, playedMs: any, bufferedMs: any, force?: boolean): void;
+    _onStats(stats: any): void;
     /**
-     * Barge-in: stop a context now. Playback fades out within 5 ms, late frames are dropped.
+     * Barge-in: stop a context now, in any state. Playback fades out within 5 ms, late
+     * frames are dropped. An utterance still queued is dropped from the queue. When the
+     * server has it, the client reports what was played and sends `cancel`; the promise
+     * then carries the server's `heardMs`, `textSpoken` and `textRemaining` too.
      * @param {string} contextId
-     * @returns {Promise<{playedMs: number, segments: Array}>} what was heard
+     * @returns {Promise<Heard>} what was heard
      */
-    cancel(contextId: string): Promise<{
-        playedMs: number;
-        segments: any[];
-    }>;
-    /** Close the connection for good (no reconnect). */
+    cancel(contextId: string): Promise<Heard>;
+    _cancel(u: any): Promise<Heard>;
+    _unqueue(u: any): void;
+    /** Close the connection for good (no reconnect); queued and open utterances fail. */
     close(): Promise<void>;
     _onFrame(buffer: any): void;
     _onEvent(msg: any): void;
+    /** End an utterance with an error: reject `done`, emit `error`, release its track. */
     _fail(u: any, err: any): void;
+    _forget(u: any): void;
     _onFinished(info: any): void;
 }
 export type SpeakOptions = {
@@ -177,6 +254,30 @@ export type SpeakOptions = {
      * false: synthesize the text as written (no spelled-out numbers)
      */
     normalize?: boolean;
+    /**
+     * true: `segment` events carry estimated character timings
+     * (`chars`, `char_start_ms`, `char_duration_ms`)
+     */
+    timings?: boolean;
+};
+export type ReconnectOptions = {
+    /**
+     * failed attempts in a row before giving up (state
+     * `closed`, `reason: "retries exhausted"`); `client.reconnect()` starts again
+     */
+    retries?: number;
+    /**
+     * first delay; doubles each failed attempt
+     */
+    baseDelayMs?: number;
+    /**
+     * cap of the delay (jitter: 50-100 % of it)
+     */
+    maxDelayMs?: number;
+    /**
+     * one attempt: token, handshake, `ready`
+     */
+    connectTimeoutMs?: number;
 };
 export type ConnectOptions = {
     /**
@@ -197,10 +298,43 @@ export type ConnectOptions = {
      * resamples; with `audioContext`, the default is that context's rate)
      */
     sampleRate?: number;
-    reconnect?: {
-        retries?: number;
-        baseDelayMs?: number;
-        maxDelayMs?: number;
+    /**
+     * retry policy after a drop (and on the first
+     * connect): capped exponential backoff with jitter, forever by default
+     */
+    reconnect?: ReconnectOptions;
+    /**
+     * what `speak()` may queue
+     * while not connected: at most `maxMessages` messages in all (default 256; consecutive
+     * text pieces merge), each utterance sent within `deadlineMs` (default 10000) or failed
+     */
+    queue?: {
+        maxMessages?: number;
+        deadlineMs?: number;
+    };
+    /**
+     * send `playback` reports (what the player
+     * really played) so the server paces on them, about every `reportEveryMs` (250)
+     */
+    reportPlayback?: boolean;
+    reportEveryMs?: number;
+    /**
+     * how long `cancel()` waits for the server's
+     * `cancelled` (with the heard text) before resolving with the local figures only
+     */
+    cancelReplyMs?: number;
+    /**
+     * where `online` and `visibilitychange` come
+     * from (default: the page's window; tests pass their own)
+     */
+    window?: {
+        addEventListener: Function;
+        removeEventListener: Function;
+        document?: {
+            visibilityState?: string;
+            addEventListener: Function;
+            removeEventListener: Function;
+        };
     };
     /**
      * WebSocket implementation (Node, tests)
@@ -215,6 +349,29 @@ export type ConnectOptions = {
      * backend (GET /v1/token with the API key); a function is called before each (re)connect
      */
     token?: string | (() => Promise<string>);
+};
+export type Heard = {
+    /**
+     * what the player really played of this utterance
+     */
+    playedMs: number;
+    segments: Array<{
+        segment: number;
+        text: string;
+        heardMs: number;
+    }>;
+    /**
+     * the server's figure (from the playback reports)
+     */
+    heardMs?: number;
+    /**
+     * the input up to the last heard character (server)
+     */
+    textSpoken?: string;
+    /**
+     * the rest of the input (server)
+     */
+    textRemaining?: string;
 };
 import { PcmPlayer } from "./pcm-player.js";
 export { parseFrame, buildFrame, pcm16ToFloat32 } from "./protocol.js";

@@ -1,0 +1,199 @@
+"""Who may open a WebSocket, counted only for sessions that really open.
+
+Every WebSocket front-end (the native ``/v1/stream``, and any other socket protocol on the
+port) goes through one :class:`WsAdmission`:
+
+* :meth:`WsAdmission.handshake` runs in the ``websockets`` handshake (``process_request``):
+  readiness, the server-wide and per-client connection caps, origin, key or token, and the
+  key's quotas, **checked without counting anything**. A refusal is an HTTP status.
+* :meth:`WsAdmission.session` wraps the handler, which ``websockets`` runs only once the
+  handshake has completed: there the session is counted (key quota, client connections)
+  and released on every path out. A handshake that fails or a client that drops before
+  the handler runs therefore costs nothing, so nobody can lock a key out by starting
+  upgrades and abandoning them.
+
+The principal found at the handshake travels to the handler in a
+:class:`weakref.WeakKeyDictionary` keyed by the connection object: an abandoned handshake
+leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import time
+import urllib.parse
+import weakref
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import orjson
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from ..auth import Authenticator, AuthError
+from ..core.service import Service
+from ..errors import CLOSE_TRY_AGAIN_LATER, ErrorCode
+from ..http import respond
+
+__all__ = ["Principal", "WsAdmission", "client_address", "refusal"]
+
+logger = logging.getLogger("rtts.auth")
+
+
+@dataclass(slots=True)
+class Principal:
+    # key id ("anonymous" with auth off); None until a protocol that carries its key in
+    # the first message has called :meth:`WsAdmission.identify_later`
+    kid: str | None
+    client: str  # client address (see client_address)
+
+
+def client_address(peer: str | None, forwarded_for: str | None,
+                   trusted_proxies: tuple[str, ...]) -> str:
+    """The client's IP address: the socket's peer, or, when the peer is a trusted proxy,
+    the right-most ``X-Forwarded-For`` entry that is not itself a trusted proxy (what
+    nginx's ``$proxy_add_x_forwarded_for`` appends). Pure."""
+    addr = peer or "unknown"
+    if not forwarded_for or not _trusted(addr, trusted_proxies):
+        return addr
+    for hop in reversed([h.strip() for h in forwarded_for.split(",") if h.strip()]):
+        addr = hop
+        if not _trusted(hop, trusted_proxies):
+            break
+    return addr
+
+
+def _trusted(addr: str, trusted: tuple[str, ...]) -> bool:
+    if "*" in trusted:
+        return True
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return False
+    for net in trusted:
+        with contextlib.suppress(ValueError):
+            if ip in ipaddress.ip_network(net, strict=False):
+                return True
+    return False
+
+
+def refusal(exc: AuthError) -> Response:
+    """The handshake's HTTP answer to an :class:`AuthError`."""
+    extra: list[tuple[str, str]] = []
+    if exc.retry_after_s is not None:
+        extra.append(("Retry-After", str(exc.retry_after_s)))
+    if exc.status == 401:
+        extra.append(("WWW-Authenticate", "Bearer"))
+    return respond(exc.status, f"{exc.reason}\n", extra=extra)
+
+
+class WsAdmission:
+    """The handshake checks and the session accounting of every WebSocket on the port."""
+
+    def __init__(self, service: Service, auth: Authenticator) -> None:
+        self.service = service
+        self.auth = auth
+        self.config = service.config
+        self.open_connections = 0
+        self.per_client: defaultdict[str, int] = defaultdict(int)
+        self._principals: weakref.WeakKeyDictionary[ServerConnection, Principal] = (
+            weakref.WeakKeyDictionary())
+
+    def _peer(self, connection: ServerConnection, request: Request) -> str:
+        remote = connection.remote_address
+        peer = str(remote[0]) if isinstance(remote, tuple) and remote else None
+        return client_address(peer, request.headers.get("X-Forwarded-For"),
+                              self.config.trusted_proxies)
+
+    def handshake(self, connection: ServerConnection, request: Request, *,
+                  key: str | None = None, key_later: bool = False) -> Response | None:
+        """Check a WebSocket upgrade; None to accept it, else the refusal. ``key`` is a key
+        the protocol carries elsewhere (e.g. ElevenLabs' ``xi-api-key`` header). With
+        ``key_later``, an upgrade that presents no credentials at all is accepted
+        unidentified: the handler must call :meth:`identify_later` before any work."""
+        service = self.service
+        cfg = self.config
+        if service.state != "ready":
+            return respond(503, f"not ready: {service.state_reason}\n",
+                           extra=[("Retry-After", "1")])
+        if self.open_connections >= cfg.max_connections:
+            return respond(503, "too many connections\n", extra=[("Retry-After", "1")])
+        client = self._peer(connection, request)
+        cap = cfg.max_connections_per_client
+        if cap is not None and self.per_client.get(client, 0) >= cap:
+            service.stats.auth_rejected_by["client_connections"] += 1
+            return respond(429, f"at most {cap} connections per client\n",
+                           extra=[("Retry-After", "5")])
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(request.path).query)
+        try:
+            self.auth.check_origin(request.headers.get("Origin"))
+            token = query["token"][0] if query.get("token") else None
+            kid = self.auth.identify(request.headers.get("Authorization"), token, time.time(),
+                                     key=key)
+            self.auth.check(kid, time.monotonic())
+        except AuthError as exc:
+            presented = key or request.headers.get("Authorization") or query.get("token")
+            if exc.status == 401 and key_later and not presented:
+                self._principals[connection] = Principal(None, client)
+                return None
+            service.stats.auth_rejected += 1
+            service.stats.auth_rejected_by[exc.kind] += 1
+            return refusal(exc)
+        self._principals[connection] = Principal(kid, client)
+        return None
+
+    def identify_later(self, principal: Principal, authorization: str | None,
+                       key: str | None) -> None:
+        """Identify and admit a session whose key came after the handshake (in its first
+        message); raises :class:`AuthError`. :meth:`session` releases it at the end."""
+        if principal.kid is not None:
+            return
+        try:
+            kid = self.auth.identify(authorization, None, time.time(), key=key)
+            self.auth.admit(kid, time.monotonic())
+        except AuthError as exc:
+            self.service.stats.auth_rejected += 1
+            self.service.stats.auth_rejected_by[exc.kind] += 1
+            raise
+        principal.kid = kid
+
+    @contextlib.asynccontextmanager
+    async def session(self, ws: ServerConnection) -> AsyncIterator[Principal | None]:
+        """Count the session for the handler's lifetime; yields None (after telling the
+        client, close 1013) if a quota filled up since the handshake."""
+        principal = self._principals.pop(ws, None) or Principal("anonymous",
+                                                                self._peer_of(ws))
+        try:
+            if principal.kid is not None:
+                self.auth.admit(principal.kid, time.monotonic())
+        except AuthError as exc:
+            self.service.stats.auth_rejected += 1
+            self.service.stats.auth_rejected_by[exc.kind] += 1
+            with contextlib.suppress(ConnectionClosed):
+                await ws.send(orjson.dumps({"type": "error", "code": str(ErrorCode.OVERLOADED),
+                                            "message": exc.reason}).decode())
+                await ws.close(CLOSE_TRY_AGAIN_LATER, exc.reason[:120])
+            yield None
+            return
+        self.open_connections += 1
+        self.per_client[principal.client] += 1
+        try:
+            yield principal
+        finally:
+            self.open_connections -= 1
+            left = self.per_client[principal.client] - 1
+            if left > 0:
+                self.per_client[principal.client] = left
+            else:
+                del self.per_client[principal.client]
+            if principal.kid is not None:
+                self.auth.release(principal.kid)
+
+    @staticmethod
+    def _peer_of(ws: ServerConnection) -> str:
+        remote = ws.remote_address
+        return str(remote[0]) if isinstance(remote, tuple) and remote else "unknown"

@@ -97,7 +97,7 @@ def page(browser: object, rtts_server: ServerThread) -> Iterator[object]:
     pg.on("response", lambda r: errors.append(f"{r.status} {r.url}") if r.status >= 400
           else None)
     pg.goto(f"http://127.0.0.1:{rtts_server.port}/")
-    pg.wait_for_function("window.__rtts !== undefined && window.__rtts.info !== null")
+    pg.wait_for_function("() => window.__rtts !== undefined && window.__rtts.info !== null")
     yield pg
     context.close()
     assert not errors, errors
@@ -113,7 +113,7 @@ def test_page_connects_plays_audio_and_screenshot(page: object) -> None:
     assert info["state"] == "running"
     assert info["done"]["segments"] >= 1 and info["ttfa"] is not None
     # the worklet itself counts render quanta with audible output
-    page.wait_for_function("window.__rtts.stats && window.__rtts.stats.nonSilent > 100",
+    page.wait_for_function("() => window.__rtts.stats && window.__rtts.stats.nonSilent > 100",
                            timeout=15000)
     stats = page.evaluate("window.__rtts.stats")
     assert stats["samplesOut"] > 0.5 * info["rate"]

@@ -117,7 +117,7 @@ def test_restarts_outages_and_barge_in_never_jam(rtts_proc: Server) -> None:
         """)
         page.goto(f"http://127.0.0.1:{port}/?backoff_max_ms=200&backoff_base_ms=50"
                   "&queue_deadline_ms=6000")
-        page.wait_for_function("window.__rtts && window.__rtts.info !== null")
+        page.wait_for_function("() => window.__rtts && window.__rtts.info !== null")
         # the demo tells the truth: a banner for the fake engine, voices from the server
         assert "tones, not speech" in page.locator("#banner").inner_text()
         assert page.locator("#banner").is_visible()
@@ -131,7 +131,7 @@ def test_restarts_outages_and_barge_in_never_jam(rtts_proc: Server) -> None:
 
         # 2. a restart: speak during the outage is queued, then delivered
         rtts_proc.stop()
-        page.wait_for_function("window.__rtts.client.state === 'reconnecting'", timeout=10000)
+        page.wait_for_function("() => window.__rtts.client.state === 'reconnecting'", timeout=10000)
         queued = page.evaluate("""async () => {
           window.__q = await window.__rtts.speak('Spoken while the server was restarting.');
           return window.__q.state; }""")
@@ -139,7 +139,7 @@ def test_restarts_outages_and_barge_in_never_jam(rtts_proc: Server) -> None:
         pill = page.locator("#server").inner_text()
         assert pill.startswith("reconnecting"), pill
         rtts_proc.start()
-        page.wait_for_function("window.__rtts.client.state === 'open'", timeout=15000)
+        page.wait_for_function("() => window.__rtts.client.state === 'open'", timeout=15000)
         assert page.evaluate("async () => (await window.__q.done).segments") >= 1
         assert page.evaluate(f"async () => ({WAIT_AUDIBLE})(window.__q)") > 0
         # right after the reconnect: plays audibly
@@ -149,7 +149,7 @@ def test_restarts_outages_and_barge_in_never_jam(rtts_proc: Server) -> None:
         # 3. a long outage with a short backoff cap: it keeps trying, then recovers
         page.evaluate("async () => { await (await window.__r).done; }")
         rtts_proc.stop(kill=True)
-        page.wait_for_function("window.__rtts.client.state === 'reconnecting'", timeout=10000)
+        page.wait_for_function("() => window.__rtts.client.state === 'reconnecting'", timeout=10000)
         before = page.evaluate("window.__rtts.states.length")
         page.evaluate("""async () => {
           const u = await window.__rtts.speak('Nobody is there to hear this.');
@@ -167,8 +167,9 @@ def test_restarts_outages_and_barge_in_never_jam(rtts_proc: Server) -> None:
         assert attempts >= 15, attempts  # the old client gave up after 5
         assert state(page) == "reconnecting"
         rtts_proc.start()
-        page.wait_for_function("window.__rtts.client.state === 'open'", timeout=15000)
-        page.wait_for_function("document.querySelector('#server').textContent.startsWith('back')"
+        page.wait_for_function("() => window.__rtts.client.state === 'open'", timeout=15000)
+        page.wait_for_function("() => document.querySelector('#server').textContent"
+                               ".startsWith('back')"
                                " || document.querySelector('#server').textContent"
                                ".startsWith('ready')")
         page.evaluate("window.__b = window.__rtts.speak('Back after the long outage.')")

@@ -31,7 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the server (WebSocket and HTTP on one port)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8765)
-    s.add_argument("--engine", choices=["chattts", "fake"], default="chattts")
+    s.add_argument("--engine", choices=["chattts", "fake", "piper"], default="chattts",
+                   help="the primary engine: it speaks every voice no other engine takes "
+                        "(piper needs --voice-model)")
+    s.add_argument("--voice-model", type=Path, action="append", default=[],
+                   help="a piper voice model (.onnx, its .onnx.json beside it; repeatable). "
+                        "With --engine piper these are the engine; beside chattts or fake "
+                        "they are extra voices, named after the file (piper:NAME)")
+    s.add_argument("--piper-workers", type=int, default=None,
+                   help="piper segments synthesized at once (default: one per core)")
     s.add_argument("--source", choices=["auto", "custom", "huggingface"], default="auto",
                    help="auto: --model-dir if given, else the embedded tiny random checkpoint")
     s.add_argument("--model-dir", type=Path, default=None)
@@ -124,6 +132,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             stream_tokens=args.stream_tokens, decode_tokens=args.decode_tokens,
             fake_rtf=args.fake_rtf, dtype=args.dtype, kernels=args.kernels,
             batch_rows=args.max_batch_size,
+            voice_models=tuple(args.voice_model), piper_workers=args.piper_workers,
         ),
         scheduler=SchedulerConfig(
             max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
@@ -173,7 +182,14 @@ async def serve_until_signalled(config: ServerConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        if args.engine == "piper" and not args.voice_model:
+            parser.error("--engine piper needs --voice-model PATH (a piper .onnx voice)")
+        for path in args.voice_model:
+            if not path.is_file() or not Path(f"{path}.json").is_file():
+                parser.error(f"--voice-model {path}: need the .onnx file and its .onnx.json")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # one line per connection is noise at INFO; rtts logs what matters itself

@@ -177,6 +177,7 @@ async def through_rtts() -> dict[str, Any]:
             await c.until_all("cancelled", {"cancelled"}, timeout=30)
             assert not c.of_kind("error"), c.of_kind("error")
             out["segments"] = {cid: len(segs) for cid, segs in streams(c).items()}
+            out["cached_segments"] = streams(c)[CACHED]
             out["audio"] = {cid: decode(*PATHS[cid], segs)
                             for cid, segs in streams(c).items() if cid in PATHS}
             out["cancelled_started"] = len(c.got.of("segment_started", "cancelled"))
@@ -204,6 +205,12 @@ def heard() -> dict[str, Any]:
              "piper direct, 8 kHz": recognize(soxr.resample(direct, rate, 8000), 8000)}
     for name, audio in run["audio"].items():
         table[name] = recognize(audio, RATES[name])
+    # The control: the same audio with one segment played twice and the next one dropped,
+    # the kind of boundary bug the test is for. It must fail the bound.
+    segs = run["cached_segments"]
+    broken = [*segs[:2], segs[1], *segs[3:]]
+    table["control: segment repeated + dropped"] = recognize(
+        decode("pcm16", 24000, broken), 24000)
     for name, h in table.items():  # the README table comes from this (pytest -s)
         print(f"| {name} | {h.wer:.3f} | {h.seconds:.2f} s | {h.hypothesis} |")
     return {"table": table, **run}
@@ -222,6 +229,11 @@ def test_every_path_is_as_intelligible_as_piper(heard: dict[str, Any], path: str
     assert got.wer <= direct.wer + MARGIN, (path, got.hypothesis)
     low, high = DURATION
     assert low <= got.seconds / direct.seconds <= high, (path, got.seconds, direct.seconds)
+
+
+def test_the_bound_catches_a_boundary_bug(heard: dict[str, Any]) -> None:
+    table = heard["table"]
+    assert table["control: segment repeated + dropped"].wer > table["piper direct"].wer + MARGIN
 
 
 def test_streams_were_segmented_cancelled_and_cached(heard: dict[str, Any]) -> None:

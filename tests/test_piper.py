@@ -183,3 +183,25 @@ def test_cli_serves_piper_and_refuses_without_a_model(tmp_path: Path) -> None:
                     port, tmp_path / "serve.log"):
         info = get_json(f"http://127.0.0.1:{port}/v1/info")
         assert info["engine"] == "piper" and info["engines"][0]["voices"][0]["name"] == NAME
+
+
+def test_engine_voices_in_the_store(tmp_path: Path) -> None:
+    from rtts.voices import Voice, VoiceError, VoiceStore
+
+    store = VoiceStore(tmp_path)
+    store.default_engine = "chattts"
+    store.add_engine_voice(Voice(NAME, builtin=True, engine="piper", target=f"piper:{NAME}"))
+    with pytest.raises(ValueError, match="two voices"):
+        store.add_engine_voice(Voice("calm", builtin=True, engine="piper", target="piper:x"))
+    assert store.apply(SynthParams(voice=NAME)).voice == f"piper:{NAME}"
+    made = store.create({"name": "mine", "seed": 7})
+    assert made.describe()["engine"] == "chattts"
+    listed = [(v.name, v.engine) for v in store.list()]
+    assert listed[-2:] == [(NAME, "piper"), ("mine", "chattts")]
+    assert ("default", "chattts") in listed
+    with pytest.raises(VoiceError) as exists:
+        store.create({"name": NAME, "seed": 1})
+    assert exists.value.status == 409
+    with pytest.raises(VoiceError) as builtin:
+        store.delete(NAME)
+    assert builtin.value.status == 403

@@ -306,8 +306,11 @@ async def bench_piper(args: argparse.Namespace) -> dict[str, Any]:
     from .server import bound_port, run_server
 
     counts = sorted({int(n) for n in args.streams.split(",")})
+    # as `rtts serve`: no pacing (the bench measures how fast audio can arrive), no cache
+    # (every run synthesizes), the GIL switch interval and gc.freeze() after loading
+    sys.setswitchinterval(ServerConfig.gil_switch_interval_s)
     base = ServerConfig(port=0, ping_interval_s=None, web_dir=None, max_lead_s=None,
-                        cache=CacheConfig(memory_mb=0))
+                        cache=CacheConfig(memory_mb=0), freeze_gc=True)
     setups: list[tuple[str, ServerConfig]] = [(
         "piper", replace(base, engine=EngineConfig(
             name="piper", voice_models=(args.voice_model,), piper_workers=args.workers),

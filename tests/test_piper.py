@@ -111,7 +111,7 @@ def get_json(url: str) -> Any:
         return json.loads(r.read())
 
 
-async def test_piper_engine_over_the_native_socket() -> None:
+async def test_piper_engine_over_the_native_socket_and_openai() -> None:
     cfg = base_config(engine=EngineConfig(name="piper", voice_models=(JOE,)))
     async with run_server(cfg) as app:
         port = bound_port(app)
@@ -137,6 +137,17 @@ async def test_piper_engine_over_the_native_socket() -> None:
             await c.send(type="start", context_id="b", voice="x" * 80)
             err = await c.until("error")
             assert err["code"] == "invalid_params" and "piper" in err["message"]
+        # the OpenAI front-end, with the real SDK: the voice list has it, speech speaks it
+        import openai
+
+        sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-x")
+        listed = await asyncio.to_thread(get_json, f"http://127.0.0.1:{port}/v1/audio/voices")
+        assert NAME in [v["id"] for v in listed["voices"]]
+        speech = await sdk.audio.speech.create(model="tts-1", voice=NAME, input="Hello there.",
+                                               response_format="wav")
+        wav = speech.content
+        assert wav[:4] == b"RIFF" and len(wav) > 24000  # over half a second at 24 kHz
+        await sdk.close()
 
 
 @pytest.mark.chattts

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -106,6 +107,19 @@ def test_cancel_stops_between_sentences(joe: PiperEngine) -> None:
     assert rest[-1] == (0, None) and len(rest) <= 2  # at most the current sentence's tail
 
 
+FOX = "The quick brown fox jumped over the lazy dog."
+
+
+def recognized(pcm16_at_16k: bytes) -> str:
+    pocketsphinx = pytest.importorskip("pocketsphinx")
+    decoder = pocketsphinx.Decoder(samprate=16000, logfn=os.devnull)
+    decoder.start_utt()
+    decoder.process_raw(pcm16_at_16k, full_utt=True)
+    decoder.end_utt()
+    hyp = decoder.hyp()
+    return "" if hyp is None else str(hyp.hypstr)
+
+
 def get_json(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=10) as r:
         return json.loads(r.read())
@@ -173,14 +187,21 @@ async def test_chattts_and_piper_side_by_side(tiny_checkpoint: Path) -> None:
         assert engines["default"] == "chattts" and engines[NAME] == "piper"
         async with client(f"ws://127.0.0.1:{port}/v1/stream") as c:
             await c.send(type="start", context_id="chat", voice="seed:3")
-            await c.send(type="start", context_id="pip", voice=f"piper:{NAME}")
+            await c.send(type="start", context_id="pip", voice=f"piper:{NAME}",
+                         sample_rate=16000, temperature=0.01)
             for cid in ("chat", "pip"):
-                await c.send(type="text", context_id=cid, text="Good morning to you.")
+                await c.send(type="text", context_id=cid, text=FOX)
                 await c.send(type="end", context_id=cid)
             await c.until_all("done", {"chat", "pip"}, timeout=120)
             assert not c.got.of("error")
             started = {e["context_id"]: e for e in c.got.of("segment_started")}
-            assert started["pip"]["sample_rate"] == started["chat"]["sample_rate"] == 24000
+            assert started["chat"]["sample_rate"] == 24000
+            assert started["pip"]["sample_rate"] == 16000
+            # by ear: 22.05 kHz -> 24 kHz in the engine, 24 -> 16 kHz for the client
+            pcm = c.got.audio(started["pip"]["stream"])
+            jiwer = pytest.importorskip("jiwer")
+            heard = recognized(pcm)
+            assert jiwer.wer(FOX.lower().rstrip("."), heard) <= 0.12, heard  # one word of 9
         sch = app.schedulers
         assert sch["chattts"].completed >= 1 and sch["piper"].completed >= 1
 

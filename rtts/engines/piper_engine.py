@@ -113,7 +113,9 @@ class PiperEngine:
                 float(config.get("inference", {}).get("noise_w", 0.8)))
         self.default = next(iter(self.models))
         self.sample_rate = sample_rate or self.models[self.default].sample_rate
-        cores = os.cpu_count() or 1
+        # the cores this process may run on (a container's CPU set, not the host's count)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else os.cpu_count() or 1
         # Segments synthesized at once (the scheduler's device workers), each ONNX run on
         # ``threads`` cores: by default one thread per run and one run per core.
         self.workers = max(1, workers or cores)

@@ -19,6 +19,14 @@ Two modes:
     ``--sample-s``, and reports its growth after the warm-up (the first ``--warmup``
     fraction of the time), errors, and whether anything leaked.
 
+``rtts bench piper --voice-model PATH [--model-dir DIR]``
+    How many streams the piper engine serves in real time: for each stream count, that
+    many sessions at once each stream a paragraph; a stream is in real time when its time
+    to first audio is under ``--ttfa-limit`` and no frame arrives later than playback
+    started at its first frame would need it (``--late-limit``). No pacing, no cache. With
+    ``--model-dir`` the same runs go to a ChatTTS server (rtts's engine, ``--tokens`` GPT
+    steps per segment) in the same process, alternating with piper's.
+
 ``rtts bench fake --streams 200 --idle 1000``
     Starts ``rtts serve --engine fake`` (paced at real time) in a subprocess, runs
     ``--streams`` concurrent streaming sessions, and reads the server-added latency per
@@ -236,6 +244,128 @@ async def bench_chattts(args: argparse.Namespace) -> dict[str, Any]:
     out["throughput_ratio"] = r[f"rtts@{n}"]["throughput"] / stock_n["throughput"]
     out["ttfa1_ratio"] = r["rtts@1"]["ttfa_p50_s"] / r["stock-serialized@1"]["ttfa_p50_s"]
     return out
+
+
+# -- piper: streams in real time, beside ChatTTS ------------------------------------------
+
+
+@dataclass
+class TimedStream:
+    ttfa_s: float
+    audio_s: float
+    late_s: float  # worst lateness of a frame against playback from the first frame
+
+
+async def timed_stream(url: str, text: str, index: int) -> TimedStream:
+    """One session: stream ``text`` in word-sized pieces, time every frame's arrival."""
+    async with connect(url, max_size=None) as ws:
+        await ws.recv()  # ready
+        await ws.send(json.dumps({"type": "start", "voice": f"seed:{index % 5}"}))
+        t0 = time.perf_counter()
+        for word in text.split(" "):
+            await ws.send(json.dumps({"type": "text", "text": word + " "}))
+        await ws.send(json.dumps({"type": "end"}))
+        first: float | None = None
+        audio = late = 0.0
+        rate = 24000
+        while True:
+            msg = await ws.recv()
+            now = time.perf_counter()
+            if isinstance(msg, bytes):
+                if first is None:
+                    first = now
+                late = max(late, (now - first) - audio)  # due at first + audio so far
+                audio += (len(msg) - 12) / 2 / rate
+                continue
+            event = json.loads(msg)
+            if event["type"] == "segment_started":
+                rate = event["sample_rate"]
+            elif event["type"] == "error":
+                raise RuntimeError(f"stream {index}: {event}")
+            elif event["type"] == "done":
+                break
+        return TimedStream((first or now) - t0, audio, late)
+
+
+def realtime_row(results: list[TimedStream], wall_s: float, ttfa_limit: float,
+                 late_limit: float) -> dict[str, Any]:
+    ttfa = sorted(r.ttfa_s for r in results)
+    late = max(r.late_s for r in results)
+    audio = sum(r.audio_s for r in results)
+    return {"ttfa_p50_s": statistics.median(ttfa),
+            "ttfa_max_s": ttfa[-1], "late_max_s": late,
+            "audio_s": audio, "wall_s": wall_s,
+            "rtf": wall_s / (audio / len(results)),  # wall per stream's audio
+            "realtime": ttfa[-1] <= ttfa_limit and late <= late_limit}
+
+
+async def bench_piper(args: argparse.Namespace) -> dict[str, Any]:
+    from .cache import CacheConfig
+    from .config import EngineConfig, ServerConfig
+    from .scheduler import SchedulerConfig
+    from .server import bound_port, run_server
+
+    counts = sorted({int(n) for n in args.streams.split(",")})
+    # as `rtts serve`: no pacing (the bench measures how fast audio can arrive), no cache
+    # (every run synthesizes), the GIL switch interval and gc.freeze() after loading
+    sys.setswitchinterval(ServerConfig.gil_switch_interval_s)
+    base = ServerConfig(port=0, ping_interval_s=None, web_dir=None, max_lead_s=None,
+                        cache=CacheConfig(memory_mb=0), freeze_gc=True)
+    setups: list[tuple[str, ServerConfig]] = [(
+        "piper", replace(base, engine=EngineConfig(
+            name="piper", voice_models=(args.voice_model,), piper_workers=args.workers),
+            scheduler=SchedulerConfig(request_timeout_s=3600, max_queue=4096)))]
+    if args.model_dir is not None:
+        from .engines.chattts_engine import configure_threads_env
+
+        configure_threads_env()
+        setups.append(("chattts", replace(base, engine=EngineConfig(
+            source="custom", model_dir=args.model_dir, device="cpu",
+            fixed_tokens=args.tokens, batch_rows=max(counts)),
+            scheduler=SchedulerConfig(max_batch_size=max(counts), request_timeout_s=3600,
+                                      max_queue=4096))))
+    out: dict[str, Any] = {"cpu": _cpu_model(), "cores": os.cpu_count(), "text": args.text,
+                           "ttfa_limit_s": args.ttfa_limit, "late_limit_s": args.late_limit,
+                           "tokens": args.tokens if args.model_dir else None, "runs": {}}
+    urls: dict[str, str] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        for name, cfg in setups:
+            t = time.perf_counter()
+            app = await stack.enter_async_context(run_server(cfg))
+            if app.state != "ready":
+                raise RuntimeError(f"{name}: {app.state_reason}")
+            print(f"{name}: ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+            urls[name] = f"ws://127.0.0.1:{bound_port(app)}{cfg.ws_path}"
+        for streams in counts:
+            for rep in range(args.repeat):
+                for name in urls:
+                    if name == "chattts" and streams > args.chattts_max_streams:
+                        continue
+                    t0 = time.perf_counter()
+                    results = await asyncio.gather(*(
+                        timed_stream(urls[name], args.text, i) for i in range(streams)))
+                    row = realtime_row(list(results), time.perf_counter() - t0,
+                                       args.ttfa_limit, args.late_limit)
+                    out["runs"].setdefault(f"{name}@{streams}", []).append(row)
+                    print(f"{name:>8} streams={streams:<3} run {rep + 1}: " + ", ".join(
+                        f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in row.items()), file=sys.stderr)
+    out["max_realtime_streams"] = {name: _realtime_up_to(out["runs"], name, counts)
+                                    for name in urls}
+    return out
+
+
+def _realtime_up_to(runs: dict[str, list[dict[str, Any]]], name: str,
+                    counts: list[int]) -> int:
+    """The largest stream count up to which every run (of every smaller count) was in
+    real time; 0 if even one stream was not."""
+    best = 0
+    for n in counts:
+        rows = runs.get(f"{name}@{n}")
+        if not rows or not all(r["realtime"] for r in rows):
+            break
+        best = n
+    return best
 
 
 # -- staggered arrivals: continuous vs static batching ----------------------------------
@@ -662,6 +792,25 @@ def add_parser(sub: Any) -> None:
     kn.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     kn.add_argument("--device", default="auto")
     kn.add_argument("--json", type=Path, default=None)
+    pp = bsub.add_parser("piper", help="streams the piper engine serves in real time, "
+                         "beside ChatTTS (--model-dir) on the same machine")
+    pp.add_argument("--voice-model", type=Path, required=True, help="a piper .onnx voice")
+    pp.add_argument("--model-dir", type=Path, default=None,
+                    help="also run a ChatTTS checkpoint (e.g. make-random --size full)")
+    pp.add_argument("--streams", default="1,2,4,8,16", help="stream counts (comma-separated)")
+    pp.add_argument("--workers", type=int, default=None,
+                    help="piper segments at once (rtts serve --piper-workers)")
+    pp.add_argument("--tokens", type=int, default=128,
+                    help="ChatTTS: GPT steps per segment (128: 2.7 s of audio)")
+    pp.add_argument("--chattts-max-streams", type=int, default=4,
+                    help="ChatTTS: skip stream counts above this (it is far slower)")
+    pp.add_argument("--text", default=PARAGRAPH)
+    pp.add_argument("--ttfa-limit", type=float, default=1.0,
+                    help="real time: every stream's first audio within this many seconds")
+    pp.add_argument("--late-limit", type=float, default=0.1,
+                    help="real time: no frame later than this behind playback")
+    pp.add_argument("--repeat", type=int, default=1)
+    pp.add_argument("--json", type=Path, default=None)
     f = bsub.add_parser("fake", help="server overhead with the fake engine")
     f.add_argument("--streams", type=int, default=200)
     f.add_argument("--idle", type=int, default=1000)
@@ -688,7 +837,8 @@ def add_parser(sub: Any) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     runner = {"chattts": bench_chattts, "fake": bench_fake, "soak": bench_soak,
-              "kernels": bench_kernels, "staggered": bench_staggered}[args.bench_mode]
+              "kernels": bench_kernels, "staggered": bench_staggered,
+              "piper": bench_piper}[args.bench_mode]
     out = asyncio.run(runner(args))
     text = json.dumps(out, indent=1)
     print(text)

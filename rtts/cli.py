@@ -66,8 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "demo page on one port.")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8765, help="TCP port to listen on")
-    s.add_argument("--engine", choices=["chattts", "fake"], default="chattts",
-                   help="chattts: the real model; fake: test tones, no model (the test double)")
+    s.add_argument("--engine", choices=["chattts", "fake", "piper"], default="chattts",
+                   help="the primary engine, which speaks every voice no other engine takes. "
+                        "chattts: the real model; fake: test tones, no model (the test "
+                        "double); piper: piper voices (needs --voice-model)")
+    s.add_argument("--voice-model", type=Path, action="append", default=[],
+                   help="a piper voice model (.onnx, its .onnx.json beside it; repeatable). "
+                        "With --engine piper these are the engine; beside chattts or fake "
+                        "they are extra voices, named after the file (piper:NAME)")
+    s.add_argument("--piper-workers", type=int, default=None,
+                   help="piper segments synthesized at once (default: one per core)")
     s.add_argument("--wyoming-port", type=int, default=None,
                    help="also serve Wyoming (Home Assistant) TTS on this TCP port "
                         "(10200 by convention; default off)")
@@ -269,6 +277,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             stream_tokens=args.stream_tokens, decode_tokens=args.decode_tokens,
             fake_rtf=args.fake_rtf, dtype=args.dtype, kernels=args.kernels,
             batch_rows=args.max_batch_size,
+            voice_models=tuple(args.voice_model), piper_workers=args.piper_workers,
         ),
         scheduler=SchedulerConfig(
             max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
@@ -374,6 +383,12 @@ async def serve_until_signalled(config: ServerConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        if args.engine == "piper" and not args.voice_model:
+            parser.error("--engine piper needs --voice-model PATH (a piper .onnx voice)")
+        for path in args.voice_model:
+            if not path.is_file() or not Path(f"{path}.json").is_file():
+                parser.error(f"--voice-model {path}: need the .onnx file and its .onnx.json")
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # one line per connection is noise at INFO; rtts logs what matters itself

@@ -63,6 +63,10 @@ class EngineConfig:
     fixed_tokens: int | None = None  # benchmarks: every segment exactly this many GPT steps
     fake_rtf: float = 0.0  # fake engine only
     fake_first_chunk_ms: float = 0.0  # fake engine only
+    # piper voice models (.onnx, config beside it): with name="piper" they are the engine;
+    # beside another engine they are its piper voices (rtts.engines.piper_engine)
+    voice_models: tuple[Path, ...] = ()
+    piper_workers: int | None = None  # piper segments synthesized at once; None = cores
 
 
 @dataclass(frozen=True)

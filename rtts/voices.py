@@ -2,6 +2,10 @@
 
 A named voice is a speaker (a ChatTTS speaker-embedding string, or the speaker drawn from a
 seed, stored as the seed and never as a tensor) plus optional default sampling params.
+Every voice names its engine (``engine`` in the voice lists): seed and speaker voices are
+the server's primary engine's; the voices of other engines (each piper model loaded,
+``piper:NAME``) are registered by the service as built-ins of that engine
+(:meth:`VoiceStore.add_engine_voice`), and routing by engine happens in the core.
 Wherever a request carries ``voice`` (the native ``start`` message, ``/v1/tts``, OpenAI's
 ``voice``), :meth:`VoiceStore.apply` swaps a registered name for its speaker and fills the
 params the request left at their protocol defaults (see :meth:`VoiceStore.apply`).
@@ -77,10 +81,14 @@ class Voice:
     params: Mapping[str, Any] = field(default_factory=dict)
     created_at: float | None = None
     builtin: bool = False
+    engine: str | None = None  # the engine that speaks it (None: the server's primary)
+    target: str | None = None  # another engine's voice string (``piper:NAME``)
 
     @property
     def voice(self) -> str:
-        """The engine's voice string: the speaker string, or ``seed:N``."""
+        """The engine's voice string: ``target``, the speaker string, or ``seed:N``."""
+        if self.target is not None:
+            return self.target
         return self.speaker if self.speaker is not None else f"seed:{self.seed}"
 
     def to_file(self) -> dict[str, Any]:
@@ -90,6 +98,10 @@ class Voice:
     def describe(self) -> dict[str, Any]:
         """The public description (``GET /v1/voices``); the speaker string only by length."""
         out: dict[str, Any] = {"name": self.name, "builtin": self.builtin}
+        if self.engine is not None:
+            out["engine"] = self.engine
+        if self.target is not None:
+            out["voice"] = self.target
         if self.seed is not None:
             out["seed"] = self.seed
         if self.speaker is not None:
@@ -224,6 +236,25 @@ class VoiceStore:
         self.reserved = frozenset(reserved)  # names nobody may create (e.g. OpenAI's)
         self._cache: dict[str, tuple[tuple[int, int, int], Voice | None]] = {}
         self._lock = threading.Lock()
+        self.default_engine: str | None = None  # shown as the engine of seed/speaker voices
+        self._engine_voices: dict[str, Voice] = {}  # other engines' voices (built-in)
+
+    def add_engine_voice(self, voice: Voice) -> None:
+        """Register another engine's voice (``voice.target``, e.g. ``piper:NAME``) under
+        its name, as a built-in: it cannot be created over or deleted."""
+        check_name(voice.name)
+        if voice.name in _BUILTINS or voice.name in self._engine_voices:
+            raise ValueError(f"two voices are named {voice.name!r}")
+        self._engine_voices[voice.name] = voice
+
+    def _stamp(self, voice: Voice) -> Voice:
+        if voice.engine is None and self.default_engine is not None:
+            return replace(voice, engine=self.default_engine)
+        return voice
+
+    def _builtin(self, name: str) -> Voice | None:
+        voice = _BUILTINS.get(name) or self._engine_voices.get(name)
+        return None if voice is None else self._stamp(voice)
 
     def _path(self, name: str) -> Path:
         assert self.directory is not None
@@ -232,7 +263,7 @@ class VoiceStore:
     # -- reading ---------------------------------------------------------------------
 
     def get(self, name: str) -> Voice | None:
-        builtin = _BUILTINS.get(name)
+        builtin = self._builtin(name)
         if builtin is not None:
             return builtin
         if self.directory is None or not NAME_RE.match(name):
@@ -248,7 +279,7 @@ class VoiceStore:
         with self._lock:
             cached = self._cache.get(name)
         if cached is not None and cached[0] == key:
-            return cached[1]
+            return None if cached[1] is None else self._stamp(cached[1])
         voice: Voice | None
         try:
             voice = voice_from_json(orjson.loads(path.read_bytes()), name)
@@ -259,10 +290,11 @@ class VoiceStore:
             voice = None
         with self._lock:
             self._cache[name] = (key, voice)
-        return voice
+        return None if voice is None else self._stamp(voice)
 
     def list(self) -> list[Voice]:
-        """Built-ins first, then the stored voices by name."""
+        """Built-ins first (the primary engine's, then other engines'), then the stored
+        voices by name."""
         stored: list[Voice] = []
         if self.directory is not None:
             try:
@@ -271,12 +303,13 @@ class VoiceStore:
             except OSError:
                 names = []
             for name in names:
-                if name in _BUILTINS:
+                if name in _BUILTINS or name in self._engine_voices:
                     continue
                 voice = self.get(name)
                 if voice is not None:
                     stored.append(voice)
-        return [*_BUILTINS.values(), *stored]
+        return [*map(self._stamp, _BUILTINS.values()),
+                *map(self._stamp, self._engine_voices.values()), *stored]
 
     # -- writing ---------------------------------------------------------------------
 
@@ -287,7 +320,7 @@ class VoiceStore:
         if not isinstance(body, dict):
             raise VoiceError("the request body must be a JSON object")
         name = check_name(body.get("name"))
-        if name in _BUILTINS or name in self.reserved:
+        if name in _BUILTINS or name in self._engine_voices or name in self.reserved:
             raise VoiceError(f"{name!r} is a built-in voice name", status=409, param="name")
         if self.directory is None:
             raise VoiceError("this server has no voices directory", status=403)
@@ -302,7 +335,7 @@ class VoiceStore:
             logger.error("cannot write voice %s to %s: %s", name, self.directory, exc)
             raise VoiceError(f"cannot store the voice: {exc.strerror or exc}",
                              status=500) from None
-        return voice
+        return self._stamp(voice)
 
     def _write_new(self, voice: Voice) -> None:
         """Write to a temporary file, then link it to its name: atomic, and exclusive (a
@@ -332,7 +365,7 @@ class VoiceStore:
                 tmp.unlink()
 
     def delete(self, name: str) -> None:
-        if name in _BUILTINS or name in self.reserved:
+        if name in _BUILTINS or name in self._engine_voices or name in self.reserved:
             raise VoiceError(f"{name!r} is a built-in voice; it cannot be deleted", status=403,
                              param="name")
         if self.directory is None or not NAME_RE.match(name):

@@ -264,7 +264,7 @@ async def test_create_list_use_delete_over_http(tmp_path):
             call, base + "/v1/voices", "POST",
             {"name": "myname", "seed": 1234, "params": {"seed": 5}})
         assert status == 201, body
-        assert body == {"name": "myname", "builtin": False, "seed": 1234,
+        assert body == {"name": "myname", "builtin": False, "seed": 1234, "engine": "fake",
                         "params": {"seed": 5}, "created_at": body["created_at"]}
         status, listed = await asyncio.to_thread(call, base + "/v1/voices")
         assert status == 200

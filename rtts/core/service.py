@@ -1,10 +1,17 @@
-"""The synthesis service: engine, scheduler, phrase cache, load governor and counters.
+"""The synthesis service: engines, schedulers, phrase cache, load governor and counters.
 
 Every protocol front-end (:mod:`rtts.api`) holds one :class:`Service` and asks it for
 audio; none of them talks to the cache or the scheduler itself. The one path from text to
 audio is :meth:`Service.open_segment` (cache hit, else a scheduler request) and
 :meth:`Service.segment_recorder` (store what was made); :class:`~rtts.core.context.SpeechContext`
 builds feed/flush/end/cancel contexts on top of it.
+
+**Engines per voice.** A service may run several engines side by side (ChatTTS and piper),
+each with its own scheduler and device thread pool. The first is the primary
+(:attr:`Service.engine`, the default for any voice); an engine with a ``voice_prefix``
+(piper: ``piper:``) takes the voices that start with it, and its named voices are
+registered in the voice store with their engine. Every engine outputs at the primary's
+sample rate, so contexts and front-ends see one rate.
 """
 
 from __future__ import annotations
@@ -24,13 +31,13 @@ import psutil
 from .. import __version__
 from ..cache import CachedStream, PhraseCache
 from ..config import ServerConfig
-from ..engines import build_engine
+from ..engines import build_engines
 from ..engines.base import Engine, SynthRequest
 from ..errors import ErrorCode, ProtocolError, RttsError
 from ..governor import Governor, GovernorConfig, Level, LoadSignals
 from ..protocol import SynthParams
-from ..scheduler import RequestStream, Scheduler
-from ..voices import VoiceStore
+from ..scheduler import RequestStream, Scheduler, SchedulerConfig
+from ..voices import Voice, VoiceStore
 from .context import SpeechContext
 
 __all__ = ["SegmentRecorder", "Service", "Source", "Stats"]
@@ -95,8 +102,15 @@ class Service:
                  own_engine: bool = True) -> None:
         self.config = config
         self.own_engine = own_engine  # close the engine at shutdown
-        self.engine: Engine = engine or build_engine(config.engine)
-        self.scheduler = Scheduler(self.engine, config.scheduler)
+        engines = build_engines(config.engine, engine)
+        self.engine: Engine = engines[0]  # the primary: every voice no other engine claims
+        self.engines: dict[str, Engine] = {e.name: e for e in engines}
+        # engines this service closes at shutdown (one passed in is the caller's unless
+        # own_engine; the ones built here are always ours)
+        self._owned = [e for e in engines if e is not engine or own_engine]
+        self.schedulers: dict[str, Scheduler] = {
+            e.name: Scheduler(e, _scheduler_config(e, config.scheduler)) for e in engines}
+        self.scheduler = self.schedulers[self.engine.name]
         self.state = "loading"
         self.state_reason = "model loading"
         self.stats = Stats()
@@ -107,6 +121,13 @@ class Service:
         self._process = psutil.Process()
         self.cache = PhraseCache(config.cache, self.engine.name, self.engine.sample_rate)
         self.voices = VoiceStore(config.voices_dir)
+        self.voices.default_engine = self.engine.name
+        for e in engines:
+            prefix = getattr(e, "voice_prefix", None)
+            if prefix is not None:
+                for name in e.voices():  # type: ignore[attr-defined]
+                    self.voices.add_engine_voice(Voice(name, builtin=True, engine=e.name,
+                                                       target=prefix + name))
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -114,9 +135,11 @@ class Service:
         """Load and warm up the engine off the event loop; /readyz turns 200 after this."""
         t0 = time.monotonic()
         try:
-            await asyncio.to_thread(self.engine.load)
+            for engine in self.engines.values():
+                await asyncio.to_thread(engine.load)
             self.state_reason = "warming up"
-            await asyncio.to_thread(self.engine.warmup)
+            for engine in self.engines.values():
+                await asyncio.to_thread(engine.warmup)
             if self.config.freeze_gc:
                 # Everything alive now (modules, the model) lives as long as the process:
                 # take it out of the collector's sight, before the first client, so full
@@ -129,14 +152,16 @@ class Service:
             logger.exception("engine %s failed to load", self.engine.name)
             raise
         await self.start_serving()
-        logger.info("engine %s ready on %s in %.1fs", self.engine.name, self.engine.device,
-                    time.monotonic() - t0)
+        logger.info("engine %s ready on %s in %.1fs",
+                    " + ".join(self.engines), self.engine.device, time.monotonic() - t0)
 
     async def start_serving(self) -> None:
         """With a loaded engine: start the scheduler and the governor; /readyz turns 200."""
-        await self.scheduler.start()
+        for scheduler in self.schedulers.values():
+            await scheduler.start()
         # Known only once loaded (the weights' identity names the cache namespace).
-        self.cache.engine_id = getattr(self.engine, "identity", self.engine.name)
+        self.cache.engine_id = "+".join(getattr(e, "identity", e.name)
+                                        for e in self.engines.values())
         await self.cache.start()
         self._sampler = asyncio.create_task(self._sample_load(), name="rtts-governor")
         self.state, self.state_reason = "ready", "ready"
@@ -150,10 +175,11 @@ class Service:
     async def stop_core(self) -> None:
         """Stop the scheduler and the cache, and close the engine if we own it."""
         await self.stop_sampling()
-        await self.scheduler.stop()
+        for scheduler in self.schedulers.values():
+            await scheduler.stop()
         await self.cache.close()
-        if self.own_engine:
-            await asyncio.to_thread(self.engine.close)
+        for engine in self._owned:
+            await asyncio.to_thread(engine.close)
 
     # -- load governor -----------------------------------------------------------------
 
@@ -173,7 +199,7 @@ class Service:
             free, total = torch.cuda.mem_get_info()
             gpu = 1.0 - free / total
         return LoadSignals(
-            queue_depth=self.scheduler.queue_depth,
+            queue_depth=sum(s.queue_depth for s in self.schedulers.values()),
             rss_mb=self._process.memory_info().rss / 2**20,
             cpu_percent=psutil.cpu_percent(None),
             gpu_mem_fraction=gpu,
@@ -189,7 +215,8 @@ class Service:
 
     def apply_level(self, level: Level) -> None:
         """Propagate a governor level to the scheduler (front-ends extend this)."""
-        self.scheduler.degraded = level >= Level.DEGRADED
+        for scheduler in self.schedulers.values():
+            scheduler.degraded = level >= Level.DEGRADED
 
     # -- gauges that front-ends report (metrics reads these) ---------------------------
 
@@ -205,11 +232,22 @@ class Service:
 
     # -- synthesis ---------------------------------------------------------------------
 
+    def engine_for(self, params: SynthParams) -> Engine:
+        """The engine that speaks ``params.voice`` (already resolved from a name): the one
+        whose ``voice_prefix`` it starts with, else the primary."""
+        voice = params.voice
+        if voice is not None and len(self.engines) > 1:
+            for engine in self.engines.values():
+                prefix = getattr(engine, "voice_prefix", None)
+                if prefix is not None and voice.startswith(prefix):
+                    return engine
+        return self.engine
+
     def validate_params(self, params: SynthParams) -> None:
         """Reject params the engine cannot use (e.g. a malformed voice) before queueing.
         A named voice is checked as what it resolves to (:meth:`VoiceStore.apply`)."""
         params = self.voices.apply(params)
-        validate = getattr(self.engine, "validate", None)
+        validate = getattr(self.engine_for(params), "validate", None)
         if validate is not None:
             try:
                 validate(params)
@@ -233,7 +271,7 @@ class Service:
             return CachedStream(hit), None
         request = SynthRequest(text, params, priority=0 if first else 1, degraded=degraded)
         try:
-            return self.scheduler.submit(request), key
+            return self.schedulers[self.engine_for(params).name].submit(request), key
         except RttsError as exc:
             return exc, None
 
@@ -267,7 +305,9 @@ class Service:
                 "batching": {"mode": "continuous" if self.scheduler.continuous else "static",
                              "slots": self.scheduler.slot_limit,
                              "first_segment_slots": self.scheduler.reserve},
-                "kernels": _kernels(self.engine)}
+                "kernels": _kernels(self.engine),
+                "engines": [_describe(e, self.schedulers[e.name], e is self.engine)
+                            for e in self.engines.values()]}
 
 
 def _scaled_governor(config: ServerConfig) -> GovernorConfig:
@@ -281,6 +321,27 @@ def _scaled_governor(config: ServerConfig) -> GovernorConfig:
         reject_queue_depth=None if g.reject_queue_depth is None
         else int(g.reject_queue_depth * scale),
     )
+
+
+def _scheduler_config(engine: Engine, base: SchedulerConfig) -> SchedulerConfig:
+    """An engine may shape its own scheduler (piper: batches of one, a worker per core)."""
+    shape = getattr(engine, "scheduler_config", None)
+    return base if shape is None else shape(base)
+
+
+def _describe(engine: Engine, scheduler: Scheduler, primary: bool) -> dict[str, Any]:
+    """One engine in ``/v1/info``: which voices it takes, its rate, its scheduler."""
+    out: dict[str, Any] = {
+        "name": engine.name, "device": engine.device, "primary": primary,
+        "takes": "any voice no other engine takes" if primary
+        else f"{getattr(engine, 'voice_prefix', '')}NAME",
+        "batching": {"mode": "continuous" if scheduler.continuous else "static",
+                     "slots": scheduler.slot_limit,
+                     "concurrency": scheduler.config.concurrency}}
+    describe = getattr(engine, "describe", None)
+    if describe is not None:
+        out.update(describe())
+    return out
 
 
 def _kernels(engine: object) -> dict[str, Any] | None:

@@ -9,9 +9,9 @@ from .base import Engine, SynthRequest
 if TYPE_CHECKING:
     from ..config import EngineConfig
 
-__all__ = ["ENGINES", "Engine", "SynthRequest", "build_engine"]
+__all__ = ["ENGINES", "Engine", "SynthRequest", "build_engine", "build_engines"]
 
-ENGINES = ("chattts", "fake")
+ENGINES = ("chattts", "fake", "piper")
 
 
 def build_engine(config: EngineConfig) -> Engine:
@@ -23,4 +23,22 @@ def build_engine(config: EngineConfig) -> Engine:
         from .chattts_engine import ChatTTSEngine
 
         return ChatTTSEngine(config)
+    if config.name == "piper":
+        from .piper_engine import PiperEngine
+
+        return PiperEngine(config.voice_models, workers=config.piper_workers)
     raise ValueError(f"unknown engine {config.name!r}; choose from {ENGINES}")
+
+
+def build_engines(config: EngineConfig, primary: Engine | None = None) -> list[Engine]:
+    """The engines of one server, the primary (default) one first: ``config.name``'s (or
+    ``primary``, built by the caller), then a piper engine for ``config.voice_models``
+    when the primary is not piper itself. Every engine outputs at the primary's rate."""
+    first = primary or build_engine(config)
+    engines = [first]
+    if config.voice_models and first.name != "piper":
+        from .piper_engine import PiperEngine
+
+        engines.append(PiperEngine(config.voice_models, sample_rate=first.sample_rate,
+                                   workers=config.piper_workers))
+    return engines

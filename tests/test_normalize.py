@@ -407,7 +407,7 @@ TABLE: list[tuple[str, str]] = [
     ('1. 首先，打开电源。',
      '一、首先，打开电源。'),
     ('1. Preheat the oven. 2. Mix.',
-     'one, Preheat the oven. two. Mix.'),
+     'one, Preheat the oven. two, Mix.'),
     ('步骤：1、打开盖子；2、加水。',
      '步骤，一、打开盖子，二、加水。'),
 ]
@@ -570,3 +570,13 @@ def test_empty_and_plain_text_unchanged():
     assert normalize("") == ""
     assert normalize("Hello world, 你好。") == "Hello world, 你好。"
     assert json.dumps(normalize("ok")) == '"ok"'
+
+
+@pytest.mark.parametrize("size", range(1, 10))
+def test_list_item_after_an_english_sentence_streams_as_whole(size):
+    # found by hypothesis: streamed, "1." began a chunk and was read as a Chinese list item
+    # ("一、"); whole, it followed "oven. " and was read as the English number "one"
+    written = "1. Preheat the oven. 1. 首先，打开电源。"
+    whole = normalize(written)
+    assert "一、首先" in whole
+    assert canonical(stream(written, [size], DEFAULT_SCHEDULE)) == canonical(whole)

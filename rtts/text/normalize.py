@@ -249,9 +249,11 @@ _NEG = r"(?<![A-Za-z0-9.])[-−]"
 
 _PATTERNS: list[tuple[str, str]] = [
     ("tag", r"\[[A-Za-z_]\w*\]"),
-    # a list item's number: "1. 首先" or "2、其次" at the start of the text, a line or a clause
-    ("item", r"(?:(?<![\s\S])|(?<=[\n。！？!?；;…，、：,:—－]))[ \t]*(?P<item_n>\d{1,3})"
-             r"(?:\.|、)(?=[ \t]*[^\s\d])"),
+    # a list item's number: "1. 首先" or "2、其次" at the start of the text, a line, a clause
+    # or a sentence ("Done. 1. 首先": where the segmenter starts a new chunk, so a streamed
+    # text reads it the same as the whole)
+    ("item", r"(?:(?<![\s\S])|(?<=[\n。！？!?；;…，、：,:—－])|(?<=\.[ \t]))"
+             r"[ \t]*(?P<item_n>\d{1,3})(?:\.|、)(?=[ \t]*[^\s\d])"),
     ("ver", r"(?<![A-Za-z0-9])[vV](?P<ver_n>\d+(?:\.\d+)*)"),
     ("iso", r"(?<![\d.])(?P<iso_y>\d{4})(?P<iso_sep>[-/.])(?P<iso_m>0?[1-9]|1[0-2])(?P=iso_sep)"
             r"(?P<iso_d>[12]\d|3[01]|0?[1-9])(?!\d)(?!\.\d)"),

@@ -26,6 +26,16 @@ engine thread never blocks on a slow socket, and memory per request stays bounde
 one segment's audio. Cancelling a request sets its event: a queued request is dropped,
 a running row is skipped, and once every row of a batch is cancelled the engine's
 generator is closed, which stops generation at its next step.
+
+**Background class** (``priority=BACKGROUND``: long-text job segments, :mod:`rtts.jobs`):
+the lowest priority, for continuous batching. A background request takes only slots no
+live request wants (after the :attr:`~Scheduler.reserve`, never while a row warms up or a
+live request is admitted in the same step), and gives its slot back: when a live request
+waits and its batch has no free slot, the newest background rows are cancelled and fail
+with :class:`Preempted`; the engine drops them at its next step, so the live request joins
+one step later. The job worker re-runs a preempted segment from the start (segments are
+idempotent; nothing of a preempted row is kept). Background requests do not count in
+:attr:`~Scheduler.queue_depth` (the governor's load signal).
 """
 
 from __future__ import annotations
@@ -47,9 +57,17 @@ import numpy.typing as npt
 from .engines.base import Engine, SynthRequest
 from .errors import EngineError, EngineTimeout, ErrorCode, Overloaded
 
-__all__ = ["RequestStream", "Scheduler", "SchedulerConfig"]
+__all__ = ["BACKGROUND", "Preempted", "RequestStream", "Scheduler", "SchedulerConfig"]
 
 logger = logging.getLogger("rtts.scheduler")
+
+BACKGROUND = 9  # SynthRequest.priority of a background (job) segment: see the docstring
+
+
+class Preempted(EngineError):
+    """A background request gave its batch slot to a live one; run it again later."""
+
+    code = ErrorCode.OVERLOADED
 
 
 @dataclass(frozen=True)
@@ -165,6 +183,8 @@ class Scheduler:
         self.degraded = False  # set by the load governor: no batch wait
         self.busy_s = 0.0  # device time spent in batches
         self.audio_samples = 0  # audio the engine produced (at engine.sample_rate)
+        self.preempted = 0  # background rows that gave their slot to a live request
+        self._runs: set[_Run] = set()  # running continuous batches
         self._posts: list[tuple[Callable[[Any], None], object]] = []
         self._posts_lock = threading.Lock()
         self._posts_scheduled = False
@@ -173,7 +193,8 @@ class Scheduler:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._queue)
+        """Live requests waiting (background ones are not load)."""
+        return sum(1 for s in self._queue if s.request.priority < BACKGROUND)
 
     async def start(self) -> None:
         if self._dispatcher is None:
@@ -190,6 +211,8 @@ class Scheduler:
                 raise Overloaded(f"synthesis queue is full ({self.config.max_queue} waiting)")
             self._queue.append(stream)
         self._arrived.set()
+        if request.priority < BACKGROUND:
+            self._preempt()
         return stream
 
     @property
@@ -275,6 +298,9 @@ class Scheduler:
                 room = n - len(chosen) - (self.reserve if later else 0)
                 if room <= 0:
                     break
+                if s.request.priority >= BACKGROUND and (warming or any(
+                        c.request.priority < BACKGROUND for c in chosen)):
+                    break  # background: only slots nobody live wants, no prefill beside them
                 if later and (warming or any(c.request.priority == 0 for c in chosen)) \
                         and now - s.submitted_at < self.config.later_hold_s:
                     break
@@ -353,6 +379,7 @@ class Scheduler:
         request waits; requests join it between steps (see the module docstring)."""
         loop = asyncio.get_running_loop()
         run = _Run(first)
+        self._runs.add(run)
         self.running_batches += 1
         self.batch_sizes[len(first)] += 1
         started = time.monotonic()
@@ -361,6 +388,7 @@ class Scheduler:
             while not future.done():
                 await asyncio.wait({future}, timeout=0.25)
                 self._expire(run)
+                self._preempt()
             future.result()
         except asyncio.CancelledError:
             run.closed = True  # the device thread may still ask for requests: none
@@ -372,6 +400,7 @@ class Scheduler:
             self._engine_failed(running, exc)
         finally:
             run.closed = True
+            self._runs.discard(run)
             self.busy_s += time.monotonic() - started
             self.running_batches -= 1
             self._slots.release()
@@ -398,6 +427,31 @@ class Scheduler:
             else:
                 s._finish(error)
                 self.failed += 1
+
+    def _preempt(self) -> None:
+        """(Event loop.) Live requests wait and a running batch has no free slot for them:
+        cancel that batch's newest background rows, one per waiting live request; the
+        engine drops a cancelled row at its next step, freeing the slot."""
+        if not self._runs:
+            return
+        with self._qlock:
+            waiting = sum(1 for s in self._queue if s.request.priority < BACKGROUND
+                          and not s.solo and not s.request.cancelled.is_set())
+        for run in list(self._runs):
+            if waiting <= 0:
+                return
+            rows = [s for s in run.streams.values() if not s.finished]
+            free = self.slot_limit - len(rows) - len(run.pending)
+            background = sorted((s for s in rows if s.request.priority >= BACKGROUND),
+                                key=lambda s: -(s.admitted_at or 0.0))
+            evict = background[:max(0, waiting - max(0, free))]
+            for s in evict:
+                s.request.cancel()
+                s._finish(Preempted("background segment preempted by a live stream"))
+                self.preempted += 1
+            waiting -= max(0, free) + len(evict)
+            if evict:
+                logger.debug("preempted %d background rows", len(evict))
 
     def _expire(self, run: _Run) -> None:
         """Fail (and cancel) requests that have run longer than the request timeout."""

@@ -24,8 +24,10 @@ from starlette.routing import Route
 from .. import __version__
 from ..auth import Authenticator
 from ..core.service import Service
+from ..jobs.store import JobStore
 from ..metrics import render_metrics
 from .common import ApiError, api_error_response
+from .jobs import JobEndpoints
 from .openai import MAX_INPUT_CHARS, OPENAI_FORMATS, VOICES, OpenAIEndpoints
 from .rest import RestEndpoints
 from .voices import VOICES_OPENAPI, VoiceEndpoints
@@ -37,7 +39,8 @@ logger = logging.getLogger("rtts.http")
 _NO_STORE = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
 
 
-def build_http_app(service: Service, auth: Authenticator) -> Starlette:
+def build_http_app(service: Service, auth: Authenticator,
+                   jobs: JobStore | None = None) -> Starlette:
     config = service.config
     schema = openapi_schema(service)
 
@@ -93,7 +96,8 @@ def build_http_app(service: Service, auth: Authenticator) -> Starlette:
                                            code="internal_error"))
 
     api_routes = [*RestEndpoints(service, auth).routes(), *OpenAIEndpoints(service, auth).routes(),
-                  *VoiceEndpoints(service, auth).routes()]
+                  *VoiceEndpoints(service, auth).routes(),
+                  *(JobEndpoints(service, auth, jobs).routes() if jobs is not None else [])]
     api_methods = {r.path: set(r.methods or ()) - {"HEAD"} for r in api_routes
                    if "{" not in r.path}
     routes = [

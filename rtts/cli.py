@@ -1,4 +1,5 @@
-"""Command line: ``rtts serve``, ``rtts model make-random``, ``rtts doctor``, ``rtts bench``."""
+"""Command line: ``rtts serve``, ``rtts worker``, ``rtts job``, ``rtts model make-random``,
+``rtts doctor``, ``rtts bench``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from .auth import AuthConfig
 from .cache import CacheConfig
 from .config import EngineConfig, ServerConfig
+from .jobs.model import JobsConfig, default_jobs_dir
 from .scheduler import SchedulerConfig
 from .session import SessionLimits
 
@@ -92,6 +94,29 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default $RTTS_VOICES_DIR, else $RTTS_HOME/voices or "
                         "~/.cache/rtts/voices)")
     s.add_argument("--fake-rtf", type=float, default=0.0, help="fake engine: pace (0 = fast)")
+    s.add_argument("--jobs", action="store_true",
+                   help="also run a long-text job worker (needs --jobs-redis)")
+    s.add_argument("--jobs-redis", default=os.environ.get("RTTS_JOBS_REDIS"),
+                   help="redis://host:port/db of the job queue: enables /v1/jobs "
+                        "(default $RTTS_JOBS_REDIS)")
+    s.add_argument("--jobs-dir", type=Path, default=None,
+                   help="segment audio of jobs, shared by API and workers "
+                        "(default $RTTS_JOBS_DIR, else $RTTS_HOME/jobs)")
+    s.add_argument("--jobs-concurrency", type=int, default=None,
+                   help="segments a worker runs at once (default: --max-batch-size)")
+    s.add_argument("--jobs-claim-idle", type=float, default=JobsConfig.claim_idle_s,
+                   help="seconds before a dead worker's segment is taken over")
+    s.add_argument("--jobs-max-upload-mb", type=float,
+                   default=JobsConfig.max_upload_bytes / 2**20, help="largest job text, MiB")
+    w = sub.add_parser("worker", help="serve with a job worker: the same flags as serve, "
+                                      "--jobs implied")
+    for action in s._actions:
+        if action.dest != "help":
+            w._add_action(action)
+
+    from .jobs.cli import add_job_parser
+
+    add_job_parser(sub)
 
     m = sub.add_parser("model", help="model utilities")
     msub = m.add_subparsers(dest="model_command", required=True)
@@ -138,6 +163,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         freeze_gc=True,
         cache=replace(base.cache, memory_mb=args.cache_mb, redis_url=args.cache_redis or None,
                       redis_ttl_s=args.cache_ttl),
+        jobs=JobsConfig(redis_url=args.jobs_redis or None,
+                        dir=args.jobs_dir or default_jobs_dir(),
+                        worker=args.jobs or args.command == "worker",
+                        concurrency=args.jobs_concurrency, claim_idle_s=args.jobs_claim_idle,
+                        max_upload_bytes=int(args.jobs_max_upload_mb * 2**20)),
         auth=AuthConfig(
             api_keys=tuple(args.api_key) + AuthConfig.keys_from_env(),
             token_ttl_s=args.token_ttl, allowed_origins=tuple(args.allowed_origin),
@@ -178,8 +208,16 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # one line per connection is noise at INFO; rtts logs what matters itself
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.root.level))
-    if args.command == "serve":
-        return asyncio.run(serve_until_signalled(config_from_args(args)))
+    if args.command in ("serve", "worker"):
+        config = config_from_args(args)
+        if config.jobs.worker and config.jobs.redis_url is None:
+            print("a job worker needs --jobs-redis (or RTTS_JOBS_REDIS)", file=sys.stderr)
+            return 2
+        return asyncio.run(serve_until_signalled(config))
+    if args.command == "job":
+        from .jobs.cli import run_job_command
+
+        return run_job_command(args)
     if args.command == "model":
         from .engines.checkpoint import make_random_checkpoint
 

@@ -205,7 +205,8 @@ class JobWorker:
         params = SynthParams(**_params(record.params))
         ctx = self.service.open_context(params, lookahead=1, use_cache=False, background=True)
         self._inflight[entry.id] = (entry, ctx)
-        encoder = open_encoder(fmt, self.service.engine.sample_rate, record.sample_rate)
+        encoder = open_encoder(fmt, self.service.engine.sample_rate, record.sample_rate,
+                               part=True)
         parts: list[bytes] = []
         error: RttsError | None = None
         ctx.add_segment(Chunk(text, 0, len(text)))

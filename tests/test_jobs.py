@@ -9,6 +9,7 @@ import asyncio
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -423,6 +424,27 @@ def test_sigkilled_worker_job_finished_by_another_no_segment_lost_or_doubled(red
 
     asyncio.run(check())
     assert "took over" in (tmp_path / "b.log").read_text()
+
+
+# -- the bench ----------------------------------------------------------------------------
+
+
+def test_jobs_bench_reports_ttfa_with_and_without_a_job_and_rss(tmp_path):
+    if not shutil.which("redis-server"):
+        pytest.skip("redis-server not installed")
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, "-m", "rtts", "--log-level", "WARNING", "bench", "jobs",
+                    "--arrivals", "2", "--gap", "0.3", "--job-chars", "2000", "--slots", "4",
+                    "--long-seconds", "4", "--sample-s", "0.5", "--repeat", "1",
+                    "--json", str(out)], check=True, timeout=120, capture_output=True)
+    result = json.loads(out.read_text())
+    run = result["runs"][0]
+    assert len(run["ttfa_no_job_s"]) == len(run["ttfa_with_job_s"]) == 2
+    assert all(t > 0 for t in run["ttfa_no_job_s"] + run["ttfa_with_job_s"])
+    assert run["preempted"] >= 1  # the live clients took slots from the job
+    long = result["long_job"]
+    assert long["segments_done"] >= 1 and long["throughput_audio_s_per_s"] > 0
+    assert len(long["series"]) >= 4 and long["rss_mb_final"] > 0
 
 
 # -- the real ChatTTS code ---------------------------------------------------------------

@@ -426,6 +426,35 @@ def test_sigkilled_worker_job_finished_by_another_no_segment_lost_or_doubled(red
     assert "took over" in (tmp_path / "b.log").read_text()
 
 
+# -- the worker Deployment ----------------------------------------------------------------
+
+
+def test_worker_manifest_runs_a_worker_on_the_shared_volume(monkeypatch):
+    import yaml
+
+    from rtts.cli import build_parser, config_from_args
+
+    path = Path(__file__).resolve().parent.parent / "deploy" / "k8s" / "rtts-workers.yaml"
+    docs = {d["kind"]: d for d in yaml.safe_load_all(path.read_text())}
+    spec = docs["Deployment"]["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    monkeypatch.setenv("RTTS_JOBS_REDIS", env["RTTS_JOBS_REDIS"])
+    args = build_parser().parse_args(c["args"])
+    cfg = config_from_args(args)
+    assert args.command == "worker" and cfg.jobs.worker
+    assert cfg.jobs.redis_url == env["RTTS_JOBS_REDIS"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert str(cfg.jobs.dir) == mounts["jobs"]
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]}
+    pvc = docs["PersistentVolumeClaim"]
+    assert claims["jobs"] == pvc["metadata"]["name"] and "ReadWriteMany" in pvc["spec"][
+        "accessModes"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert cfg.port == c["ports"][0]["containerPort"]
+    assert cfg.shutdown_grace_s + cfg.close_timeout_s < spec["terminationGracePeriodSeconds"]
+
+
 # -- the bench ----------------------------------------------------------------------------
 
 

@@ -97,7 +97,8 @@ def bg(text: str) -> SynthRequest:
 async def test_background_rows_give_their_slot_to_a_live_stream_at_the_next_step():
     engine = FakeEngine(ms_per_char=50, rtf=1.0, continuous=True)  # 100 ms steps
     sched = Scheduler(engine, SchedulerConfig(max_batch_size=4, max_wait_ms=10,
-                                              first_segment_slots=0))
+                                              first_segment_slots=0,
+                                              background_rows_with_live=4))
     await sched.start()
     jobs = [sched.submit(bg("j" * 60)) for _ in range(4)]  # 3 s each, every slot
     await asyncio.sleep(0.35)
@@ -117,6 +118,24 @@ async def test_background_rows_give_their_slot_to_a_live_stream_at_the_next_step
     # re-run from the start, it completes whole
     again = sched.submit(bg("j" * 60))
     assert len(await collect(again)) == engine.total_samples("j" * 60)
+    await sched.stop()
+
+
+async def test_beside_live_rows_a_batch_keeps_few_background_rows():
+    engine = FakeEngine(ms_per_char=50, rtf=1.0, continuous=True)
+    sched = Scheduler(engine, SchedulerConfig(max_batch_size=8, max_wait_ms=10))
+    await sched.start()
+    assert sched.background_cap == 2 and sched.reserve == 3
+    jobs = [sched.submit(bg("j" * 40)) for _ in range(8)]
+    await asyncio.sleep(0.35)
+    assert sum(s.first_audio_at is not None for s in jobs) == 5  # the reserve stays free
+    live = sched.submit(SynthRequest("l" * 30, SynthParams(), priority=0))
+    await live.__anext__()
+    running = [s for s in jobs if s.first_audio_at is not None and not s.finished]
+    assert sched.preempted == 3 and len(running) == 2  # 5 - cap
+    await asyncio.sleep(0.5)  # the live row has audio: still at most the cap beside it
+    assert sum(1 for s in jobs if s.admitted_at is not None and not s.finished) <= 2
+    await collect(live)
     await sched.stop()
 
 
@@ -274,8 +293,10 @@ async def test_cancel_stops_the_job_and_removes_its_audio(redis_url, tmp_path):
             (tmp_path / "jobs" / st["id"]).iterdir())
         status, _, err = await ahttp("GET", f"{base}/v1/jobs/{st['id']}/audio")
         assert status == 409 and err["error"]["code"] == "job_cancelled"
-        status, _, err = await ahttp("DELETE", f"{base}/v1/jobs/{st['id']}")
-        assert status == 409
+        status, _, _ = await ahttp("DELETE", f"{base}/v1/jobs/{st['id']}")
+        assert status == 204  # a finished (here: cancelled) job is forgotten
+        status, _, _ = await ahttp("GET", f"{base}/v1/jobs/{st['id']}")
+        assert status == 404
 
 
 async def test_auth_and_quota_on_every_job_endpoint(redis_url, tmp_path):

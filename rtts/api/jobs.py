@@ -226,11 +226,14 @@ class JobEndpoints:
         return JSONResponse(self._view(record), headers={"Cache-Control": "no-store"})
 
     async def cancel(self, request: Request) -> Response:
+        """Cancel a job that has not finished (200, its status); forget a finished one and
+        delete its audio (204)."""
         kid = authorize(self.auth, self.service, request)
         try:
             record = await self._own(request, kid)
             if not await self.store.cancel(record.id):
-                raise ApiError(409, f"the job is already {record.state}", code="job_finished")
+                await self.store.delete(record.id)
+                return Response(status_code=204, headers={"Cache-Control": "no-store"})
             record = await self._own(request, kid)
         finally:
             self.auth.release(kid)

@@ -173,7 +173,7 @@ class JobStore:
     async def discard(self, job: str) -> None:
         """Forget a job whose upload failed."""
         await self.redis.delete(*(self.key(job, p) for p in ("", "segs", "bits", "seglen",
-                                                             "log")))
+                                                             "log", "attempts")))
 
     # -- reading -----------------------------------------------------------------------
 
@@ -237,6 +237,12 @@ class JobStore:
             await pipe.execute()
         await asyncio.to_thread(shutil.rmtree, self.dir / job, True)
         return True
+
+    async def delete(self, job: str) -> None:
+        """Forget a finished job and delete its audio."""
+        await asyncio.to_thread(shutil.rmtree, self.dir / job, True)
+        await self.redis.delete(*(self.key(job, p) for p in ("", "segs", "bits", "seglen",
+                                                             "log", "attempts")))
 
     async def fail(self, job: str, error: str) -> None:
         await self.redis.hset(self.key(job), mapping={"state": JobState.FAILED,

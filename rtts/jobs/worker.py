@@ -32,6 +32,9 @@ __all__ = ["JobWorker", "WorkerStats"]
 
 logger = logging.getLogger("rtts.jobs.worker")
 
+_READ_BLOCK_MS = 500
+_STOP_S = 3.0
+
 
 @dataclass
 class WorkerStats:
@@ -60,6 +63,7 @@ class JobWorker:
         self._main: asyncio.Task[None] | None = None
         self._housekeeper: asyncio.Task[None] | None = None
         self._slot_free = asyncio.Event()
+        self._stopping = False
 
     async def start(self) -> None:
         self._main = asyncio.create_task(self._run(), name="rtts-jobs-worker")
@@ -69,18 +73,27 @@ class JobWorker:
 
     async def stop(self) -> None:
         """Stop reading and cancel the segments in flight (unacknowledged: another worker
-        takes them over after ``claim_idle_s``)."""
-        tasks = [t for t in (self._main, self._housekeeper) if t is not None]
-        tasks += list(self._tasks)
+        takes them over after ``claim_idle_s``). The reader is not cancelled inside a
+        blocking ``XREADGROUP`` (redis-py's asyncio client can hang there): it stops at
+        the end of its current read, at most ``block_ms`` later."""
+        self._stopping = True
+        self._slot_free.set()
+        tasks = [t for t in (self._housekeeper, *self._tasks) if t is not None]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._main is not None:
+            tasks.append(self._main)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=_STOP_S)
+            for task in pending:  # should not happen; do not hang the shutdown on it
+                logger.warning("job worker task %s did not stop", task.get_name())
+                task.cancel()
         self._main = self._housekeeper = None
 
     # -- reading the queue -------------------------------------------------------------
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self.store.ensure_group()
                 break
@@ -89,7 +102,7 @@ class JobWorker:
             except Exception as exc:
                 logger.warning("job queue unavailable: %s", exc)
                 await asyncio.sleep(1.0)
-        while True:
+        while not self._stopping:
             free = self.concurrency - len(self._inflight)
             if free <= 0:
                 self._slot_free.clear()
@@ -101,7 +114,8 @@ class JobWorker:
                     logger.info("took over %d segments left by a stopped worker",
                                 len(entries))
                 else:
-                    entries = await self.store.read(self.consumer, free, block_ms=500)
+                    entries = await self.store.read(self.consumer, free,
+                                                    block_ms=_READ_BLOCK_MS)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis down: retry, do not die
@@ -109,6 +123,8 @@ class JobWorker:
                 await asyncio.sleep(1.0)
                 continue
             for entry in entries:
+                if self._stopping:
+                    return  # unacknowledged: taken over by another worker later
                 if entry.id in self._inflight:
                     continue
                 self._inflight[entry.id] = (entry, None)

@@ -365,6 +365,33 @@ async def test_bad_input_gets_a_clear_4xx(redis_url, tmp_path, request_, status,
         assert got == 404
 
 
+async def test_cli_submit_shows_progress_and_downloads(redis_url, tmp_path):
+    engine = FakeEngine(ms_per_char=20, rtf=0.02, continuous=True)
+    cfg = base_config(jobs=jobs_config(redis_url, tmp_path, worker=True),
+                      auth=AuthConfig(api_keys=("cli-key",)))
+    book = tmp_path / "book.txt"
+    book.write_text("Chapter 1\n" + TEXT * 2 + "\nChapter 2\n" + TEXT, encoding="utf-8")
+    async with server(cfg, engine) as (app, _):
+        base = f"http://127.0.0.1:{bound_port(app)}"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rtts", "job", "--url", base, "submit", str(book),
+            "--format", "wav", "--voice", "seed:4", "--chapters", "headings",
+            "-o", str(tmp_path / "book.wav"), stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env={**os.environ, "RTTS_API_KEY": "cli-key"})
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+        job = out.decode().strip()
+        lines = err.decode().splitlines()
+        assert any("segments" in line and "done" in line for line in lines)
+        st = await asyncio.to_thread(subprocess.run, [
+            sys.executable, "-m", "rtts", "job", "--url", base, "--api-key", "cli-key",
+            "status", job], capture_output=True, text=True, timeout=30)
+        status = json.loads(st.stdout)
+        assert status["state"] == "done" and len(status["chapters"]) == 2
+        with wave.open(str(tmp_path / "book.wav")) as w:
+            assert w.getnframes() == round(status["audio_seconds"] * 24000)
+
+
 # -- worker processes: one killed mid-job, the CLI ---------------------------------------
 
 

@@ -392,6 +392,18 @@ async def test_cli_submit_shows_progress_and_downloads(redis_url, tmp_path):
             assert w.getnframes() == round(status["audio_seconds"] * 24000)
 
 
+async def test_unreachable_queue_is_a_503_not_a_crash(tmp_path):
+    cfg = base_config(jobs=JobsConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0",
+                                      dir=tmp_path / "jobs"))
+    async with server(cfg, FakeEngine()) as (app, _):
+        base = f"http://127.0.0.1:{bound_port(app)}"
+        status, headers, err = await ahttp("POST", f"{base}/v1/jobs", b"Hello there.")
+        assert status == 503 and err["error"]["code"] == "queue_unavailable"
+        assert headers["Retry-After"]
+        status, _, err = await ahttp("GET", f"{base}/v1/jobs/abc")
+        assert status == 503
+
+
 # -- worker processes: one killed mid-job, the CLI ---------------------------------------
 
 

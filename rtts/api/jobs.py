@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final
 
 import orjson
@@ -53,6 +54,26 @@ _READ_BYTES: Final = 256 * 1024
 _POLL_S: Final = 0.25
 
 
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _queue_errors(handler: Handler) -> Handler:
+    """Redis unreachable: a 503 with ``Retry-After``, not a 500."""
+    from redis.exceptions import RedisError
+
+    @functools.wraps(handler)
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except (RedisError, ConnectionError) as exc:
+            logger.warning("job queue unavailable: %s", exc)
+            raise ApiError(503, "the job queue is unavailable; retry later",
+                           type="server_error", code="queue_unavailable",
+                           headers={"Retry-After": "5"}) from None
+
+    return wrapped
+
+
 class JobEndpoints:
     def __init__(self, service: Service, auth: Authenticator, store: JobStore) -> None:
         self.service = service
@@ -61,10 +82,10 @@ class JobEndpoints:
 
     def routes(self) -> list[Route]:
         return [
-            Route("/v1/jobs", self.submit, methods=["POST"]),
-            Route("/v1/jobs/{job}", self.status, methods=["GET"]),
-            Route("/v1/jobs/{job}", self.cancel, methods=["DELETE"]),
-            Route("/v1/jobs/{job}/audio", self.audio, methods=["GET"]),
+            Route("/v1/jobs", _queue_errors(self.submit), methods=["POST"]),
+            Route("/v1/jobs/{job}", _queue_errors(self.status), methods=["GET"]),
+            Route("/v1/jobs/{job}", _queue_errors(self.cancel), methods=["DELETE"]),
+            Route("/v1/jobs/{job}/audio", _queue_errors(self.audio), methods=["GET"]),
         ]
 
     # -- POST /v1/jobs -----------------------------------------------------------------

@@ -392,6 +392,30 @@ async def test_cli_submit_shows_progress_and_downloads(redis_url, tmp_path):
             assert w.getnframes() == round(status["audio_seconds"] * 24000)
 
 
+async def test_a_million_characters_upload_as_a_stream(redis_url, tmp_path):
+    cfg = base_config(jobs=jobs_config(redis_url, tmp_path))  # no worker: only the upload
+    text = TEXT * (1_000_000 // len(TEXT) + 1)
+
+    def chunks():  # a chunked upload: no Content-Length, read as it arrives
+        data = text.encode()
+        for i in range(0, len(data), 64 * 1024):
+            yield data[i:i + 64 * 1024]
+
+    async with server(cfg, FakeEngine()) as (app, _):
+        base = f"http://127.0.0.1:{bound_port(app)}"
+        t0 = time.monotonic()
+        status, _, st = await ahttp("POST", f"{base}/v1/jobs?format=mp3", chunks(),
+                                    {"Content-Type": "text/plain"})
+        assert status == 202 and st["characters"] == len(text) >= 1_000_000
+        assert st["state"] == "queued" and st["segments_total"] > 5000
+        assert time.monotonic() - t0 < 30
+        store = app.jobs
+        assert store is not None
+        assert await store.redis.xlen(store.queue) >= st["segments_total"]
+        status, _, _ = await ahttp("DELETE", f"{base}/v1/jobs/{st['id']}")
+        assert status == 200
+
+
 async def test_unreachable_queue_is_a_503_not_a_crash(tmp_path):
     cfg = base_config(jobs=JobsConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0",
                                       dir=tmp_path / "jobs"))

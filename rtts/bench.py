@@ -601,12 +601,14 @@ async def bench_jobs(args: argparse.Namespace) -> dict[str, Any]:
     starts = arrival_times(args.arrivals, args.gap, False, 1)
     me = psutil.Process()
     out: dict[str, Any] = {"cpu": _cpu_model(), "engine": engine.name, "slots": args.slots,
-                           "tokens": args.tokens, "arrivals": starts, "runs": []}
+                           "tokens": args.tokens, "rows_with_live": args.rows_with_live,
+                           "arrivals": starts, "runs": []}
     with tempfile.TemporaryDirectory() as tmp, _redis_server(Path(tmp)) as redis_url:
         cfg = ServerConfig(
             port=0, ping_interval_s=None, web_dir=None, cache=CacheConfig(memory_mb=0),
             scheduler=SchedulerConfig(max_batch_size=args.slots, max_wait_ms=20,
-                                      request_timeout_s=3600),
+                                      request_timeout_s=3600,
+                                      background_rows_with_live=args.rows_with_live),
             jobs=JobsConfig(redis_url=redis_url, dir=Path(tmp) / "jobs", worker=True))
         await asyncio.to_thread(engine.load)
         await asyncio.to_thread(engine.warmup)
@@ -829,6 +831,8 @@ def add_parser(sub: Any) -> None:
                     help="ChatTTS checkpoint (default: the fake engine at real time)")
     jb.add_argument("--slots", type=int, default=8, help="the server's --max-batch-size")
     jb.add_argument("--tokens", type=int, default=64, help="GPT steps per segment (ChatTTS)")
+    jb.add_argument("--rows-with-live", type=int, default=None,
+                    help="as rtts serve --jobs-rows-with-live")
     jb.add_argument("--arrivals", type=int, default=4, help="live clients per phase")
     jb.add_argument("--gap", type=float, default=1.0, help="seconds between live arrivals")
     jb.add_argument("--job-chars", type=int, default=20000, help="the background job's text")

@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="segments a worker runs at once (default: --max-batch-size)")
     s.add_argument("--jobs-claim-idle", type=float, default=JobsConfig.claim_idle_s,
                    help="seconds before a dead worker's segment is taken over")
+    s.add_argument("--jobs-rows-with-live", type=int, default=None,
+                   help="job rows a batch keeps beside live rows (default: 1/4 of the slots)")
     s.add_argument("--jobs-max-upload-mb", type=float,
                    default=JobsConfig.max_upload_bytes / 2**20, help="largest job text, MiB")
     w = sub.add_parser("worker", help="serve with a job worker: the same flags as serve, "
@@ -156,6 +158,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             request_timeout_s=args.request_timeout, batching=args.batching,
             degraded_slots=args.degraded_slots,
             first_segment_slots=args.first_segment_slots, later_hold_s=args.later_hold,
+            background_rows_with_live=args.jobs_rows_with_live,
         ),
         limits=replace(base.limits, max_contexts=args.max_contexts),
         instance_id=args.instance_id or base.instance_id,

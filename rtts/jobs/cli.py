@@ -125,6 +125,14 @@ def _download(client: _Client, job: str, output: Path, chapter: int | None) -> i
 
 
 def run_job_command(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except OSError as exc:
+        print(f"cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     client = _Client(args.url, args.api_key)
     if args.job_command == "status":
         print(json.dumps(client.json("GET", f"/v1/jobs/{args.id}"), indent=2))

@@ -27,6 +27,13 @@ Two modes:
     ``--model-dir`` the same runs go to a ChatTTS server (rtts's engine, ``--tokens`` GPT
     steps per segment) in the same process, alternating with piper's.
 
+``rtts bench jobs [--model-dir DIR]``
+    One rtts server (ChatTTS on ``DIR``, else the fake engine) with a job worker, a
+    redis-server started for the run. Live clients arriving one by one, alternately with
+    no job and with a long-text job running in the background (``--repeat`` pairs): time to
+    first audio of each, their ratio, and the job's progress meanwhile; then the job alone
+    for ``--long-seconds``: its throughput and the server's RSS over time (flat).
+
 ``rtts bench fake --streams 200 --idle 1000``
     Starts ``rtts serve --engine fake`` (paced at real time) in a subprocess, runs
     ``--streams`` concurrent streaming sessions, and reads the server-added latency per
@@ -667,6 +674,149 @@ async def bench_fake(args: argparse.Namespace) -> dict[str, Any]:
         return out
 
 
+# -- jobs mode: live streams first, jobs in the gaps -------------------------------------
+
+
+def _http_json(method: str, url: str, body: bytes | None = None) -> dict[str, Any]:
+    req = urllib.request.Request(url, data=body, method=method,
+                                 headers={"Content-Type": "text/plain"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        out: dict[str, Any] = json.loads(r.read())
+        return out
+
+
+@contextlib.contextmanager
+def _redis_server(workdir: Path) -> Any:
+    import shutil
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port),
+                             "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(workdir)], stdout=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def bench_jobs(args: argparse.Namespace) -> dict[str, Any]:
+    import tempfile
+
+    from .cache import CacheConfig
+    from .config import EngineConfig, ServerConfig
+    from .engines.fake import FakeEngine
+    from .jobs.model import JobsConfig
+    from .scheduler import SchedulerConfig
+    from .server import bound_port, run_server
+
+    engine: Any
+    if args.model_dir is not None:
+        from .engines.chattts_engine import ChatTTSEngine, configure_threads_env
+
+        configure_threads_env()
+        engine = ChatTTSEngine(EngineConfig(
+            source="custom", model_dir=args.model_dir, device=args.device,
+            threads=args.threads, fixed_tokens=args.tokens, batch_rows=args.slots))
+    else:  # the documented test double, paced at 4x real time
+        engine = FakeEngine(ms_per_char=60, chunk_ms=100, rtf=0.25, continuous=True)
+    book = (PARAGRAPH + " ") * (args.job_chars // len(PARAGRAPH) + 1)
+    starts = arrival_times(args.arrivals, args.gap, False, 1)
+    me = psutil.Process()
+    out: dict[str, Any] = {"cpu": _cpu_model(), "engine": engine.name, "slots": args.slots,
+                           "tokens": args.tokens, "rows_with_live": args.rows_with_live,
+                           "arrivals": starts, "runs": []}
+    with tempfile.TemporaryDirectory() as tmp, _redis_server(Path(tmp)) as redis_url:
+        cfg = ServerConfig(
+            port=0, ping_interval_s=None, web_dir=None, cache=CacheConfig(memory_mb=0),
+            scheduler=SchedulerConfig(max_batch_size=args.slots, max_wait_ms=20,
+                                      request_timeout_s=3600,
+                                      background_rows_with_live=args.rows_with_live),
+            jobs=JobsConfig(redis_url=redis_url, dir=Path(tmp) / "jobs", worker=True))
+        await asyncio.to_thread(engine.load)
+        await asyncio.to_thread(engine.warmup)
+        async with run_server(cfg, engine, load=False) as app:
+            await app.start_serving()
+            await app.start_jobs()
+            base = f"http://127.0.0.1:{bound_port(app)}"
+            url = f"ws://127.0.0.1:{bound_port(app)}{cfg.ws_path}"
+
+            async def submit(text: str) -> str:
+                st = await asyncio.to_thread(_http_json, "POST", base + "/v1/jobs?format=mp3",
+                                             text.encode())
+                return str(st["id"])
+
+            async def status(job: str) -> dict[str, Any]:
+                return await asyncio.to_thread(_http_json, "GET", f"{base}/v1/jobs/{job}")
+
+            for rep in range(args.repeat):
+                alone = await run_staggered(url, starts, PARAGRAPH)
+                job = await submit(book)
+                for _ in range(600):  # until its first segment is stored
+                    if (await status(job))["segments_done"] >= 1:
+                        break
+                    await asyncio.sleep(0.2)
+                before, t0 = await status(job), time.monotonic()
+                busy_before = app.scheduler.preempted
+                beside = await run_staggered(url, starts, PARAGRAPH)
+                after, wall = await status(job), time.monotonic() - t0
+                await asyncio.to_thread(_http_json, "DELETE", f"{base}/v1/jobs/{job}")
+                row = {
+                    "ttfa_no_job_s": [round(r.ttfa_s, 3) for r in alone],
+                    "ttfa_with_job_s": [round(r.ttfa_s, 3) for r in beside],
+                    "ttfa_median_no_job_s": statistics.median(r.ttfa_s for r in alone),
+                    "ttfa_median_with_job_s": statistics.median(r.ttfa_s for r in beside),
+                    "job_audio_s_during_live": after["audio_seconds"] - before["audio_seconds"],
+                    "job_segments_during_live": after["segments_done"] - before["segments_done"],
+                    "live_wall_s": wall,
+                    "preempted": app.scheduler.preempted - busy_before}
+                row["ttfa_ratio"] = row["ttfa_median_with_job_s"] / row["ttfa_median_no_job_s"]
+                out["runs"].append(row)
+                print(f"run {rep + 1}: TTFA median {row['ttfa_median_no_job_s']:.3f}s without "
+                      f"a job, {row['ttfa_median_with_job_s']:.3f}s with one "
+                      f"({row['ttfa_ratio']:.2f}x); job meanwhile "
+                      f"{row['job_segments_during_live']} segments, "
+                      f"{row['job_audio_s_during_live']:.1f}s audio, "
+                      f"{row['preempted']} preempted", file=sys.stderr, flush=True)
+            # the job alone: throughput and RSS over time
+            job = await submit(book * args.long_repeat)
+            t0 = time.monotonic()
+            first = await status(job)
+            series: list[tuple[float, float, float]] = []
+            while (t := time.monotonic() - t0) < args.long_seconds:
+                st = await status(job)
+                series.append((round(t, 1), round(me.memory_info().rss / 2**20, 1),
+                               st["audio_seconds"]))
+                if st["state"] != "running" and st["state"] != "queued":
+                    break
+                await asyncio.sleep(args.sample_s)
+            last = await status(job)
+            wall = time.monotonic() - t0
+            await asyncio.to_thread(_http_json, "DELETE", f"{base}/v1/jobs/{job}")
+            warm = [r for t, r, _ in series if t >= args.long_seconds * 0.2] or [series[-1][1]]
+            out["long_job"] = {
+                "characters": first["characters"], "segments_total": first["segments_total"],
+                "segments_done": last["segments_done"], "wall_s": wall,
+                "audio_s": last["audio_seconds"],
+                "throughput_audio_s_per_s": last["audio_seconds"] / wall,
+                "segments_per_s": last["segments_done"] / wall,
+                "rss_mb_after_warmup": warm[0], "rss_mb_max_after_warmup": max(warm),
+                "rss_mb_final": series[-1][1],
+                "rss_growth_after_warmup_pct": 100 * (series[-1][1] / warm[0] - 1),
+                "series": series}
+    runs = out["runs"]
+    out["ttfa_ratio_median"] = statistics.median(r["ttfa_ratio"] for r in runs)
+    return out
+
+
 # -- soak mode -----------------------------------------------------------------------------
 
 
@@ -825,6 +975,26 @@ def add_parser(sub: Any) -> None:
                    help="spread session starts over this many seconds")
     f.add_argument("--text", default=BENCH_TEXT + ". " + BENCH_TEXT + ".")
     f.add_argument("--json", type=Path, default=None)
+    jb = bsub.add_parser("jobs", help="live TTFA with vs without a background job; job "
+                         "throughput; RSS over a long job")
+    jb.add_argument("--model-dir", type=Path, default=None,
+                    help="ChatTTS checkpoint (default: the fake engine at real time)")
+    jb.add_argument("--slots", type=int, default=8, help="the server's --max-batch-size")
+    jb.add_argument("--tokens", type=int, default=64, help="GPT steps per segment (ChatTTS)")
+    jb.add_argument("--rows-with-live", type=int, default=None,
+                    help="as rtts serve --jobs-rows-with-live")
+    jb.add_argument("--arrivals", type=int, default=4, help="live clients per phase")
+    jb.add_argument("--gap", type=float, default=1.0, help="seconds between live arrivals")
+    jb.add_argument("--job-chars", type=int, default=20000, help="the background job's text")
+    jb.add_argument("--long-repeat", type=int, default=10,
+                    help="the long job is the background text this many times")
+    jb.add_argument("--long-seconds", type=float, default=60.0,
+                    help="how long the long job runs alone (RSS sampled)")
+    jb.add_argument("--sample-s", type=float, default=2.0)
+    jb.add_argument("--repeat", type=int, default=2, help="alternating no-job/job pairs")
+    jb.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    jb.add_argument("--device", default="auto")
+    jb.add_argument("--json", type=Path, default=None)
     k = bsub.add_parser("soak", help="sessions back to back for minutes; RSS must stay flat")
     k.add_argument("--minutes", type=float, default=10.0)
     k.add_argument("--concurrency", type=int, default=20)
@@ -838,7 +1008,7 @@ def add_parser(sub: Any) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     runner = {"chattts": bench_chattts, "fake": bench_fake, "soak": bench_soak,
               "kernels": bench_kernels, "staggered": bench_staggered,
-              "piper": bench_piper}[args.bench_mode]
+              "piper": bench_piper, "jobs": bench_jobs}[args.bench_mode]
     out = asyncio.run(runner(args))
     text = json.dumps(out, indent=1)
     print(text)

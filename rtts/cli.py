@@ -3,6 +3,8 @@
 Commands:
   rtts serve                     run the server (WebSocket and HTTP on one port)
   rtts model make-random DIR     write a random-weight ChatTTS checkpoint (tests, benchmarks)
+  rtts worker                    serve with a long-text job worker (--jobs implied)
+  rtts job submit|status|cancel|download   long-text jobs from the command line
   rtts doctor [--fix]            check the install; --fix repairs the known torchaudio problem
   rtts bench ...                 load benchmarks with real clients
 
@@ -32,6 +34,7 @@ from .cache import CacheConfig
 from .cliconf import Parser
 from .config import EngineConfig, ServerConfig
 from .governor import GovernorConfig
+from .jobs.model import JobsConfig, default_jobs_dir
 from .scheduler import SchedulerConfig
 from .session import SessionLimits
 
@@ -204,6 +207,31 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default $RTTS_VOICES_DIR, else $RTTS_HOME/voices or "
                         "~/.cache/rtts/voices)")
     s.add_argument("--fake-rtf", type=float, default=0.0, help="fake engine: pace (0 = fast)")
+    s.add_argument("--jobs", action="store_true",
+                   help="also run a long-text job worker (needs --jobs-redis)")
+    s.add_argument("--jobs-redis", default=os.environ.get("RTTS_JOBS_REDIS"),
+                   help="redis://host:port/db of the job queue: enables /v1/jobs "
+                        "(default $RTTS_JOBS_REDIS)")
+    s.add_argument("--jobs-dir", type=Path, default=None,
+                   help="segment audio of jobs, shared by API and workers "
+                        "(default $RTTS_JOBS_DIR, else $RTTS_HOME/jobs)")
+    s.add_argument("--jobs-concurrency", type=int, default=None,
+                   help="segments a worker runs at once (default: --max-batch-size)")
+    s.add_argument("--jobs-claim-idle", type=float, default=JobsConfig.claim_idle_s,
+                   help="seconds before a dead worker's segment is taken over")
+    s.add_argument("--jobs-rows-with-live", type=int, default=None,
+                   help="job rows a batch keeps beside live rows (default: 1/4 of the slots)")
+    s.add_argument("--jobs-max-upload-mb", type=float,
+                   default=JobsConfig.max_upload_bytes / 2**20, help="largest job text, MiB")
+    w = sub.add_parser("worker", help="serve with a job worker: the same flags as serve, "
+                                      "--jobs implied")
+    for action in s._actions:
+        if action.dest != "help":
+            w._add_action(action)
+
+    from .jobs.cli import add_job_parser
+
+    add_job_parser(sub)
 
     m = sub.add_parser("model", help="model utilities",
                        description="Model utilities.")
@@ -285,6 +313,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             request_timeout_s=args.request_timeout, batching=args.batching,
             degraded_slots=args.degraded_slots,
             first_segment_slots=args.first_segment_slots, later_hold_s=args.later_hold,
+            background_rows_with_live=args.jobs_rows_with_live,
         ),
         limits=replace(base.limits, max_contexts=args.max_contexts),
         governor=replace(
@@ -302,6 +331,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         freeze_gc=True,
         cache=replace(base.cache, memory_mb=args.cache_mb, redis_url=args.cache_redis or None,
                       redis_ttl_s=args.cache_ttl),
+        jobs=JobsConfig(redis_url=args.jobs_redis or None,
+                        dir=args.jobs_dir or default_jobs_dir(),
+                        worker=args.jobs or args.command == "worker",
+                        concurrency=args.jobs_concurrency, claim_idle_s=args.jobs_claim_idle,
+                        max_upload_bytes=int(args.jobs_max_upload_mb * 2**20)),
         auth=AuthConfig(
             api_keys=tuple(dict.fromkeys((*args.api_key, *AuthConfig.keys_from_env()))),
             token_ttl_s=args.token_ttl, allowed_origins=tuple(args.allowed_origin),
@@ -383,7 +417,7 @@ async def serve_until_signalled(config: ServerConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "serve":
+    if args.command in ("serve", "worker"):
         if args.engine == "piper" and not args.voice_model:
             parser.error("--engine piper needs --voice-model PATH (a piper .onnx voice)")
         for path in args.voice_model:
@@ -393,17 +427,24 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # one line per connection is noise at INFO; rtts logs what matters itself
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.root.level))
-    if args.command == "serve":
+    if args.command in ("serve", "worker"):
         try:
             config = config_from_args(args)
             check_serve_paths(args)
+            if config.jobs.worker and config.jobs.redis_url is None:
+                raise ConfigError("a job worker needs --jobs-redis (or RTTS_JOBS_REDIS)")
         except ConfigError as exc:
-            print(f"rtts serve: error: {exc} (see `rtts serve --help`)", file=sys.stderr)
+            print(f"rtts {args.command}: error: {exc} (see `rtts {args.command} --help`)",
+                  file=sys.stderr)
             return 2
         try:
             return asyncio.run(serve_until_signalled(config))
         except KeyboardInterrupt:  # a second Ctrl-C during the drain
             return 130
+    if args.command == "job":
+        from .jobs.cli import run_job_command
+
+        return run_job_command(args)
     if args.command == "model":
         from .engines.checkpoint import make_random_checkpoint
 

@@ -27,7 +27,7 @@ encoders; it is imported on first use only.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final, Protocol, cast
 
 import numpy as np
@@ -91,13 +91,21 @@ def output_rate(codec: Codec, requested: int) -> int:
     return requested
 
 
+# Container options for a *part* of a longer stream (long-text jobs store each segment
+# apart and concatenate them): no per-part headers a decoder would choke on mid-stream.
+_PART_OPTIONS: Final = {"mp3": (("id3v2_version", "0"), ("write_xing", "0"))}
+
+
 def open_encoder(name: str, input_rate: int, sample_rate: int = 24000,
-                 bit_rate: int | None = None) -> Encoder:
+                 bit_rate: int | None = None, *, part: bool = False) -> Encoder:
     """A streaming encoder for ``name`` taking float32 audio at ``input_rate``;
-    ``bit_rate`` (bits/s) applies to the compressed formats (the encoder's default if None)."""
+    ``bit_rate`` (bits/s) applies to the compressed formats (the encoder's default if None);
+    ``part``: the output will be concatenated with other parts (no MP3 ID3/Xing headers)."""
     codec = codec_for(name)
     if codec is None:
         raise ValueError(f"unknown audio format {name!r}")
+    if part and codec.name in _PART_OPTIONS:
+        codec = replace(codec, options=codec.options + _PART_OPTIONS[codec.name])
     rate = output_rate(codec, sample_rate)
     if codec.container is not None:
         return _AvEncoder(codec, input_rate, rate, bit_rate)

@@ -11,6 +11,7 @@ from pathlib import Path
 from .auth import AuthConfig
 from .cache import CacheConfig
 from .governor import GovernorConfig
+from .jobs.model import JobsConfig
 from .scheduler import SchedulerConfig
 from .session import SessionLimits
 from .voices import default_voices_dir
@@ -105,6 +106,8 @@ class ServerConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     # named voices (rtts.voices): a directory instances may share; None = built-ins only
     voices_dir: Path | None = field(default_factory=default_voices_dir)
+    # long-text jobs (rtts.jobs): the API when jobs.redis_url is set, a worker with jobs.worker
+    jobs: JobsConfig = field(default_factory=JobsConfig)
 
 
 def _instance_id() -> str:

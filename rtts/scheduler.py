@@ -26,6 +26,18 @@ engine thread never blocks on a slow socket, and memory per request stays bounde
 one segment's audio. Cancelling a request sets its event: a queued request is dropped,
 a running row is skipped, and once every row of a batch is cancelled the engine's
 generator is closed, which stops generation at its next step.
+
+**Background class** (``priority=BACKGROUND``: long-text job segments, :mod:`rtts.jobs`):
+the lowest priority, for continuous batching. A background request takes only slots no
+live request wants (after the :attr:`~Scheduler.reserve`, never while a row warms up or a
+live request is admitted in the same step; beside live rows at most
+``background_rows_with_live``), and gives its slot back: when a live request waits and its
+batch has no free slot, or live rows arrive in a batch holding more background rows than
+that, the newest background rows are cancelled and fail with :class:`Preempted`; the engine
+drops them at its next step, so the live request joins one step later. The job worker
+re-runs a preempted segment from the start (segments are idempotent; nothing of a
+preempted row is kept). Background requests do not count in
+:attr:`~Scheduler.queue_depth` (the governor's load signal).
 """
 
 from __future__ import annotations
@@ -48,9 +60,17 @@ import numpy.typing as npt
 from .engines.base import Engine, SynthRequest
 from .errors import EngineError, EngineTimeout, ErrorCode, Overloaded
 
-__all__ = ["RequestStream", "Scheduler", "SchedulerConfig"]
+__all__ = ["BACKGROUND", "Preempted", "RequestStream", "Scheduler", "SchedulerConfig"]
 
 logger = logging.getLogger("rtts.scheduler")
+
+BACKGROUND = 9  # SynthRequest.priority of a background (job) segment: see the docstring
+
+
+class Preempted(EngineError):
+    """A background request gave its batch slot to a live one; run it again later."""
+
+    code = ErrorCode.OVERLOADED
 
 
 @dataclass(frozen=True)
@@ -68,6 +88,9 @@ class SchedulerConfig:
     # A later segment waits at most this long while a first segment in the batch has no
     # audio yet (its prefill would delay that first audio); 0 = never waits.
     later_hold_s: float = 3.0
+    # Background (job) rows a batch keeps while it has live rows or a live request waits;
+    # the rest give their slots back (each row makes a step slower); None = 1/4 of the slots.
+    background_rows_with_live: int | None = None
 
 
 class RequestStream:
@@ -166,6 +189,8 @@ class Scheduler:
         self.degraded = False  # set by the load governor: no batch wait
         self.busy_s = 0.0  # device time spent in batches
         self.audio_samples = 0  # audio the engine produced (at engine.sample_rate)
+        self.preempted = 0  # background rows that gave their slot to a live request
+        self._runs: set[_Run] = set()  # running continuous batches
         self._posts: list[tuple[Callable[[Any], None], object]] = []
         self._posts_lock = threading.Lock()
         self._posts_scheduled = False
@@ -174,7 +199,8 @@ class Scheduler:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._queue)
+        """Live requests waiting (background ones are not load)."""
+        return sum(1 for s in self._queue if s.request.priority < BACKGROUND)
 
     async def start(self) -> None:
         if self._dispatcher is None:
@@ -191,6 +217,8 @@ class Scheduler:
                 raise Overloaded(f"synthesis queue is full ({self.config.max_queue} waiting)")
             self._queue.append(stream)
         self._arrived.set()
+        if request.priority < BACKGROUND:
+            self._preempt()
         return stream
 
     @property
@@ -256,7 +284,14 @@ class Scheduler:
             self._queue = [s for s in self._queue if not s.request.cancelled.is_set()]
             return self._queue
 
-    def _pick(self, n: int, warming: bool = False) -> list[RequestStream]:
+    @property
+    def background_cap(self) -> int:
+        """Background rows a batch keeps beside live rows."""
+        n = self.config.background_rows_with_live
+        return max(0, self.config.max_batch_size // 4 if n is None else n)
+
+    def _pick(self, n: int, warming: bool = False,
+              background_room: int | None = None) -> list[RequestStream]:
         """Take up to ``n`` waiting requests for a continuous batch (any thread) with
         ``n`` free slots: a stream's first segment first, then oldest first; solo retries
         are not taken. Later segments leave :attr:`reserve` slots free, and wait while a
@@ -276,6 +311,12 @@ class Scheduler:
                 room = n - len(chosen) - (self.reserve if later else 0)
                 if room <= 0:
                     break
+                if s.request.priority >= BACKGROUND and (warming or any(
+                        c.request.priority < BACKGROUND for c in chosen) or (
+                        background_room is not None and background_room <= 0)):
+                    break  # background: only slots nobody live wants, no prefill beside them
+                if s.request.priority >= BACKGROUND and background_room is not None:
+                    background_room -= 1
                 if later and (warming or any(c.request.priority == 0 for c in chosen)) \
                         and now - s.submitted_at < self.config.later_hold_s:
                     break
@@ -354,6 +395,7 @@ class Scheduler:
         request waits; requests join it between steps (see the module docstring)."""
         loop = asyncio.get_running_loop()
         run = _Run(first)
+        self._runs.add(run)
         self.running_batches += 1
         self.batch_sizes[len(first)] += 1
         started = time.monotonic()
@@ -362,6 +404,7 @@ class Scheduler:
             while not future.done():
                 await asyncio.wait({future}, timeout=0.25)
                 self._expire(run)
+                self._preempt()
             future.result()
         except asyncio.CancelledError:
             run.closed = True  # the device thread may still ask for requests: none
@@ -373,6 +416,7 @@ class Scheduler:
             self._engine_failed(running, exc)
         finally:
             run.closed = True
+            self._runs.discard(run)
             self.busy_s += time.monotonic() - started
             self.running_batches -= 1
             self._slots.release()
@@ -403,6 +447,32 @@ class Scheduler:
                 s._finish(error)
                 self.failed += 1
 
+    def _preempt(self) -> None:
+        """(Event loop.) Live requests wait and a running batch has no free slot for them:
+        cancel that batch's newest background rows, one per waiting live request; and a
+        batch with live rows or waiting live requests keeps at most :attr:`background_cap`
+        background rows. The engine drops a cancelled row at its next step."""
+        if not self._runs:
+            return
+        with self._qlock:
+            waiting = sum(1 for s in self._queue if s.request.priority < BACKGROUND
+                          and not s.solo and not s.request.cancelled.is_set())
+        for run in list(self._runs):
+            rows = [s for s in run.streams.values() if not s.finished]
+            free = self.slot_limit - len(rows) - len(run.pending)
+            background = sorted((s for s in rows if s.request.priority >= BACKGROUND),
+                                key=lambda s: -(s.admitted_at or 0.0))
+            live = len(rows) - len(background) + len(run.pending)
+            over = len(background) - self.background_cap if live or waiting > 0 else 0
+            evict = background[:max(0, waiting - max(0, free), over)]
+            for s in evict:
+                s.request.cancel()
+                s._finish(Preempted("background segment preempted by a live stream"))
+                self.preempted += 1
+            waiting = max(0, waiting - max(0, free) - len(evict))
+            if evict:
+                logger.debug("preempted %d background rows", len(evict))
+
     def _expire(self, run: _Run) -> None:
         """Fail (and cancel) requests that have run longer than the request timeout."""
         limit = self.config.request_timeout_s
@@ -422,8 +492,11 @@ class Scheduler:
             if run.pending:
                 taken, run.pending = run.pending[:free], run.pending[free:]
             else:
-                warming = any(s.first_audio_at is None for s in run.streams.values())
-                taken = self._pick(min(free, self.slot_limit - len(run.streams)), warming)
+                rows = list(run.streams.values())
+                warming = any(s.first_audio_at is None for s in rows)
+                background = sum(1 for s in rows if s.request.priority >= BACKGROUND)
+                room = self.background_cap - background if background < len(rows) else None
+                taken = self._pick(min(free, self.slot_limit - len(run.streams)), warming, room)
                 self.joined += len(taken)
             now = time.monotonic()
             for s in taken:

@@ -30,6 +30,8 @@ from .core.service import Service, Stats
 from .engines.base import Engine
 from .errors import CLOSE_GOING_AWAY
 from .governor import Level
+from .jobs.store import JobStore
+from .jobs.worker import JobWorker
 
 __all__ = ["App", "Connection", "ContextPipeline", "Stats", "bound_port", "run_server"]
 
@@ -46,7 +48,10 @@ class App(Service):
         self.auth = Authenticator(config.auth)
         self.native = NativeEndpoint(self, self.auth)
         self.elevenlabs = ElevenLabsEndpoints(self, self.auth, self.native)
-        self.http = HttpSide(build_http_app(self, self.auth), f"rtts/{__version__}")
+        # long-text jobs: the API wherever a queue is configured, a worker with --jobs
+        self.jobs = JobStore(config.jobs) if config.jobs.redis_url else None
+        self.job_worker: JobWorker | None = None
+        self.http = HttpSide(build_http_app(self, self.auth, self.jobs), f"rtts/{__version__}")
         self.wyoming: WyomingListener | None = None
 
     # WebSocket upgrades by path: ElevenLabs' input-streaming sockets, else the native one.
@@ -87,6 +92,13 @@ class App(Service):
         return (self.native.busy_connections() + self.http.busy + self.elevenlabs.busy()
                 + wyoming)
 
+    async def start_jobs(self) -> None:
+        """Start the job worker (``--jobs``): segments fill batch slots live streams leave."""
+        if self.jobs is not None and self.config.jobs.worker and self.job_worker is None:
+            slots = self.config.jobs.concurrency or self.config.scheduler.max_batch_size
+            self.job_worker = JobWorker(self, self.jobs, self.config.instance_id, slots)
+            await self.job_worker.start()
+
     async def drain_and_close(self) -> None:
         """Graceful shutdown: refuse new work, let contexts and HTTP responses finish until
         the grace deadline, then close remaining connections with 1001 and stop the engine.
@@ -95,8 +107,11 @@ class App(Service):
         draining instance, not a dead one: ``/healthz`` answers 200, ``/readyz`` 503 with the
         reason, a new WebSocket upgrade 503 with ``Retry-After`` (the handshake checks
         :attr:`state`), and the speech endpoints 503 (``authorize`` does). The listening
-        socket closes only when the drain ends."""
+        socket closes only when the drain ends. The job worker stops first: its unfinished
+        segments go to other workers."""
         self.state, self.state_reason = "draining", "draining: shutting down"
+        if self.job_worker is not None:
+            await self.job_worker.stop()
         logger.info("draining %d connections and %d HTTP responses (grace %.1fs); /readyz "
                     "answers 503 meanwhile", len(self.connections), self.http.busy,
                     self.config.shutdown_grace_s)
@@ -121,6 +136,8 @@ class App(Service):
         if self.server is not None:
             await self.server.wait_closed()
         await self.stop_core()
+        if self.jobs is not None:
+            await self.jobs.aclose()
         logger.info("shutdown complete")
 
 
@@ -156,6 +173,7 @@ async def run_server(config: ServerConfig, engine: Engine | None = None,
         if load:
             with contextlib.suppress(Exception):  # logged; /readyz reports the reason
                 await app.load()
+                await app.start_jobs()
         yield app
     finally:
         if app.state != "stopped":

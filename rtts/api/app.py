@@ -25,9 +25,11 @@ from starlette.routing import Route
 from .. import __version__
 from ..auth import Authenticator
 from ..core.service import Service
+from ..jobs.store import JobStore
 from ..metrics import render_metrics
 from .common import ApiError, api_error_response
 from .elevenlabs import ElevenLabsEndpoints
+from .jobs import JobEndpoints
 from .openai import MAX_INPUT_CHARS, OPENAI_FORMATS, VOICES, OpenAIEndpoints
 from .rest import RestEndpoints
 from .voices import VOICES_OPENAPI, VoiceEndpoints
@@ -39,7 +41,8 @@ logger = logging.getLogger("rtts.http")
 _NO_STORE = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
 
 
-def build_http_app(service: Service, auth: Authenticator) -> Starlette:
+def build_http_app(service: Service, auth: Authenticator,
+                   jobs: JobStore | None = None) -> Starlette:
     config = service.config
     schema = openapi_schema(service)
 
@@ -97,7 +100,8 @@ def build_http_app(service: Service, auth: Authenticator) -> Starlette:
 
     api_routes = [*RestEndpoints(service, auth).routes(), *OpenAIEndpoints(service, auth).routes(),
                   *VoiceEndpoints(service, auth).routes(),
-                  *ElevenLabsEndpoints(service, auth).routes()]
+                  *ElevenLabsEndpoints(service, auth).routes(),
+                  *(JobEndpoints(service, auth, jobs).routes() if jobs is not None else [])]
     api_methods = {r.path: set(r.methods or ()) - {"HEAD"} for r in api_routes
                    if "{" not in r.path}
     routes = [

@@ -87,7 +87,8 @@ class SpeechContext:
     def __init__(self, service: Service, params: SynthParams, *,
                  schedule: tuple[int, ...] = DEFAULT_SCHEDULE,
                  max_chunk_chars: int = DEFAULT_MAX_CHARS,
-                 lookahead: int = 2, use_cache: bool = True, normalize: bool = True) -> None:
+                 lookahead: int = 2, use_cache: bool = True, normalize: bool = True,
+                 background: bool = False) -> None:
         self.service = service
         self.params = params
         self.sample_rate = service.engine.sample_rate
@@ -96,6 +97,7 @@ class SpeechContext:
         self._segmenter: Segmenter | None = None  # made on first feed (add_segment needs none)
         self.lookahead = max(1, lookahead)
         self.use_cache = use_cache
+        self.background = background  # lowest priority, preemptible (job segments)
         self._spoken_text = SpokenText(enabled=normalize)  # chunk -> spoken, in order
         self._pending: deque[tuple[int, Chunk, str]] = deque()
         self._inflight: deque[tuple[int, Chunk, str, Source | RttsError, str | None]] = deque()
@@ -166,7 +168,8 @@ class SpeechContext:
             index, chunk, spoken = self._pending.popleft()
             # The spoken text is what is synthesized and what the phrase cache is keyed on.
             source, key = await self.service.open_segment(
-                spoken, self.params, first=index == 0, use_cache=self.use_cache)
+                spoken, self.params, first=index == 0, use_cache=self.use_cache,
+                background=self.background)
             self._inflight.append((index, chunk, spoken, source, key))
 
     async def events(self) -> AsyncGenerator[Event, None]:

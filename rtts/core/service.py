@@ -36,7 +36,7 @@ from ..engines.base import Engine, SynthRequest
 from ..errors import ErrorCode, ProtocolError, RttsError
 from ..governor import Governor, GovernorConfig, Level, LoadSignals
 from ..protocol import SynthParams
-from ..scheduler import RequestStream, Scheduler, SchedulerConfig
+from ..scheduler import BACKGROUND, RequestStream, Scheduler, SchedulerConfig
 from ..voices import Voice, VoiceStore
 from .context import SpeechContext
 
@@ -261,15 +261,18 @@ class Service:
             raise ProtocolError("server overloaded; retry later", code=ErrorCode.OVERLOADED)
 
     async def open_segment(self, text: str, params: SynthParams, *, first: bool,
-                           use_cache: bool = True) -> tuple[Source | RttsError, str | None]:
+                           use_cache: bool = True, background: bool = False
+                           ) -> tuple[Source | RttsError, str | None]:
         """The audio source for one segment: a cache hit, else a scheduler request (or the
         error submitting it). Returns the cache key to store the result under (None for a
-        hit or when the cache is not used)."""
+        hit or when the cache is not used). ``background``: the scheduler's lowest,
+        preemptible priority (long-text jobs)."""
         degraded = self.degraded
         key = self.cache.key(text, params, degraded) if use_cache else None
         if key is not None and (hit := await self.cache.get(key)) is not None:
             return CachedStream(hit), None
-        request = SynthRequest(text, params, priority=0 if first else 1, degraded=degraded)
+        priority = BACKGROUND if background else 0 if first else 1
+        request = SynthRequest(text, params, priority=priority, degraded=degraded)
         try:
             return self.schedulers[self.engine_for(params).name].submit(request), key
         except RttsError as exc:

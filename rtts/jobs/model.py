@@ -1,0 +1,177 @@
+"""The pure part of long-text jobs: configuration, splitting, states, progress. No I/O.
+
+A job's text is cut into segments by the live path's :class:`~rtts.segmenter.Segmenter`
+(sentence ends first, at most ``segment_chars`` characters), fed piece by piece as the
+upload arrives, so nothing holds the whole text. Chapter marks are character offsets into
+the text: a segment never spans one (the segmenter is flushed at each mark), so every
+chapter is a contiguous run of segments and can be downloaded on its own.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Final
+
+from ..segmenter import Chunk, Segmenter
+
+__all__ = ["JOB_FORMATS", "Chapter", "JobState", "JobSplitter", "JobsConfig", "default_jobs_dir",
+           "eta_seconds", "parse_chapters", "wav_header"]
+
+# Formats whose per-segment files concatenate into one valid stream: raw PCM and G.711,
+# WAV (segments stored as PCM16, one header in front), MP3 frames and AAC ADTS frames.
+# Ogg/WebM/FLAC have one header per stream and are refused for jobs.
+JOB_FORMATS: Final = ("wav", "pcm16", "mp3", "aac", "mulaw", "alaw")
+
+
+def default_jobs_dir() -> Path:
+    base = os.environ.get("RTTS_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rtts")
+    return Path(os.environ.get("RTTS_JOBS_DIR") or Path(base) / "jobs")
+
+
+@dataclass(frozen=True)
+class JobsConfig:
+    """Jobs are on when ``redis_url`` is set (the API); ``worker`` also runs a worker."""
+
+    redis_url: str | None = None
+    dir: Path = field(default_factory=default_jobs_dir)  # segment audio; shared by instances
+    worker: bool = False
+    concurrency: int | None = None  # segments a worker runs at once; None = batch slots
+    claim_idle_s: float = 30.0  # a segment unacknowledged this long is taken over
+    max_upload_bytes: int = 16 * 2**20  # UTF-8 text of one job
+    segment_chars: int = 200  # longest segment (the live path's default chunk)
+    min_segment_chars: int = 120  # cut at the first sentence end past this
+    max_attempts: int = 3  # engine failures of one segment before the job fails
+    prefix: str = "rtts:jobs"  # Redis key prefix (stream, group, records)
+    ttl_s: int = 7 * 86400  # job records expire this long after their last change
+
+
+class JobState(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def final(self) -> bool:
+        return self in (JobState.DONE, JobState.FAILED, JobState.CANCELLED)
+
+
+@dataclass(frozen=True, slots=True)
+class Chapter:
+    """Chapter ``index`` starts at character ``start`` (and at segment ``first_segment``)."""
+
+    index: int
+    start: int
+    title: str = ""
+    first_segment: int = 0
+
+
+def parse_chapters(raw: Iterable[object]) -> list[Chapter]:
+    """Chapter marks from a request: offsets (ints) or ``{"start": int, "title": str}``.
+    Raises ValueError for anything else; sorted, duplicates and offset 0 merged."""
+    marks: dict[int, str] = {}
+    for item in raw:
+        if isinstance(item, bool):
+            raise ValueError("chapter marks are character offsets")
+        if isinstance(item, int):
+            start, title = item, ""
+        elif isinstance(item, dict) and isinstance(item.get("start"), int) \
+                and not isinstance(item.get("start"), bool):
+            start, title = item["start"], str(item.get("title") or "")
+        else:
+            raise ValueError("chapter marks are offsets or {\"start\": offset, \"title\": ...}")
+        if start < 0:
+            raise ValueError("chapter offsets must be >= 0")
+        marks[start] = title or marks.get(start, "")
+    marks.setdefault(0, marks.get(0, ""))
+    return [Chapter(i, start, title) for i, (start, title) in enumerate(sorted(marks.items()))]
+
+
+class JobSplitter:
+    """Bytes or text pieces in, segments out, with chapter boundaries; pure and bounded
+    (it holds at most one unfinished segment of text)."""
+
+    def __init__(self, chapters: list[Chapter] | None = None, max_chars: int = 200,
+                 min_chars: int = 120) -> None:
+        self.chapters = chapters or [Chapter(0, 0)]
+        self._segmenter = Segmenter((min(min_chars, max_chars),), max_chars)
+        self._decoder = codecs.getincrementaldecoder("utf-8")("strict")
+        self._next_mark = 1  # index of the next chapter mark to cross
+        self.chars = 0  # characters read so far
+        self.segments = 0  # segments emitted so far
+        self._firsts = [0]  # first segment index of each chapter reached
+
+    def feed_bytes(self, data: bytes, final: bool = False) -> list[Chunk]:
+        """UTF-8 bytes (any split); raises UnicodeDecodeError on invalid UTF-8."""
+        return self.feed(self._decoder.decode(data, final))
+
+    def feed(self, text: str) -> list[Chunk]:
+        out: list[Chunk] = []
+        while text:
+            mark = self.chapters[self._next_mark].start if self._next_mark < len(
+                self.chapters) else None
+            if mark is None or self.chars + len(text) < mark:
+                out += self._push(text)
+                break
+            cut = mark - self.chars
+            out += self._push(text[:cut])
+            out += self._emit(self._segmenter.flush())
+            self._firsts.append(self.segments)
+            self._next_mark += 1
+            text = text[cut:]
+        return out
+
+    def finish(self) -> list[Chunk]:
+        """The end of the text: the last segment, and chapters past the end made empty."""
+        out = self.feed(self._decoder.decode(b"", True))
+        out += self._emit(self._segmenter.flush())
+        while len(self._firsts) < len(self.chapters):
+            self._firsts.append(self.segments)
+        return out
+
+    def _push(self, text: str) -> list[Chunk]:
+        self.chars += len(text)
+        return self._emit(self._segmenter.push(text))
+
+    def _emit(self, chunks: list[Chunk]) -> list[Chunk]:
+        self.segments += len(chunks)
+        return chunks
+
+    def chapter_table(self) -> list[Chapter]:
+        """The chapters with their first segments (after :meth:`finish`)."""
+        return [Chapter(c.index, c.start, c.title, first) for c, first in
+                zip(self.chapters, self._firsts, strict=True)]
+
+
+def chapter_segments(chapters: list[Chapter], total: int, index: int) -> range:
+    """Segment indexes of chapter ``index``."""
+    first = chapters[index].first_segment
+    end = chapters[index + 1].first_segment if index + 1 < len(chapters) else total
+    return range(first, end)
+
+
+def eta_seconds(total: int, done: int, started_at: float | None, now: float) -> float | None:
+    """Time left at the job's average rate so far (None until a segment is done)."""
+    if started_at is None or done <= 0 or total <= 0:
+        return None
+    if done >= total:
+        return 0.0
+    elapsed = max(0.0, now - started_at)
+    return round(elapsed / done * (total - done), 1)
+
+
+def wav_header(sample_rate: int, data_bytes: int | None) -> bytes:
+    """A PCM16 mono WAV header; ``data_bytes=None`` for a stream of unknown length."""
+    data = 0xFFFFFFFF if data_bytes is None else data_bytes
+    riff = 0xFFFFFFFF if data_bytes is None else 36 + data_bytes
+    return (b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt "
+            + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
+            + b"data" + struct.pack("<I", data))

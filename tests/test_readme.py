@@ -39,6 +39,8 @@ def rtts_invocations() -> list[list[str]]:
     for line in shell_commands():
         for part in re.split(r"&&|\|\||;", line):
             words = shlex.split(part, comments=True)
+            if words and words[-1] == "&":  # started in the background
+                words = words[:-1]
             if words and words[0] in ("rtts", ".venv/bin/rtts"):
                 found.append(words[1:])
     return found

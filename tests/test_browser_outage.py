@@ -207,3 +207,51 @@ def test_restarts_outages_and_barge_in_never_jam(rtts_proc: Server) -> None:
     refused = re.compile(rf"WebSocket connection to 'ws://127\.0\.0\.1:{port}/v1/stream' failed")
     assert all(refused.search(m) for m in console), [m for m in console
                                                      if not refused.search(m)]
+
+
+def test_a_sixty_second_outage_with_default_settings_recovers_without_reload(
+        rtts_proc: Server) -> None:
+    """The outage a user meets, literally: the page on its default settings (backoff capped
+    at 5 s, no test hooks), the server killed and down for 60 s, then started again. The
+    page is back within one backoff step and speaks audibly, with no reload, no page error
+    and no unhandled rejection."""
+    port = rtts_proc.port
+    console: list[str] = []
+    page_errors: list[str] = []
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        page = browser.new_context().new_page()
+        page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: page_errors.append(str(e)))
+        page.add_init_script("""
+          window.__rejections = [];
+          addEventListener("unhandledrejection", (e) => window.__rejections.push(String(e.reason)));
+        """)
+        page.goto(f"http://127.0.0.1:{port}/")
+        page.wait_for_function("() => window.__rtts && window.__rtts.info !== null")
+        page.evaluate("window.__u = window.__rtts.speak('Before the outage.')")
+        assert page.evaluate(f"async () => ({WAIT_AUDIBLE})(await window.__u)") > 0
+        page.evaluate("async () => { await (await window.__u).done; }")
+
+        rtts_proc.stop(kill=True)
+        page.wait_for_function("() => window.__rtts.client.state === 'reconnecting'",
+                               timeout=10000)
+        before = page.evaluate("window.__rtts.states.length")
+        time.sleep(60.0)
+        assert state(page) == "reconnecting"  # still trying after a minute
+        attempts = page.evaluate(f"window.__rtts.states.slice({before})"
+                                 ".filter(s => s === 'reconnecting').length")
+        assert attempts >= 10, attempts  # 5 s cap: a try every 2.5-5 s, never given up
+        rtts_proc.start()
+        started = time.monotonic()
+        page.wait_for_function("() => window.__rtts.client.state === 'open'", timeout=15000)
+        assert time.monotonic() - started < 7.0  # within one capped backoff step
+        page.evaluate("window.__b = window.__rtts.speak('Back after a minute away.')")
+        assert page.evaluate(f"async () => ({WAIT_AUDIBLE})(await window.__b)") > 0
+        rejections = page.evaluate("window.__rejections")
+        browser.close()
+    assert not page_errors, page_errors
+    assert not rejections, rejections
+    refused = re.compile(rf"WebSocket connection to 'ws://127\.0\.0\.1:{port}/v1/stream' failed")
+    assert all(refused.search(m) for m in console), [m for m in console
+                                                     if not refused.search(m)]

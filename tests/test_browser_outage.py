@@ -98,12 +98,11 @@ WAIT_AUDIBLE = """async (u) => {
 }"""
 
 
-def state(page: Any) -> str:
-    return str(page.evaluate("window.__rtts.client.state"))
-
-
-def test_restarts_outages_and_barge_in_never_jam(rtts_proc: Server) -> None:
-    port = rtts_proc.port
+@contextlib.contextmanager
+def demo_page(port: int) -> Iterator[Any]:
+    """The demo page in chromium. On exit it checks the whole run: no page errors, no
+    unhandled rejections, and no console errors but chromium's own line for each refused
+    WebSocket attempt while the server is down (a page cannot suppress those)."""
     console: list[str] = []
     page_errors: list[str] = []
     with sync_api.sync_playwright() as p:
@@ -115,6 +114,23 @@ def test_restarts_outages_and_barge_in_never_jam(rtts_proc: Server) -> None:
           window.__rejections = [];
           addEventListener("unhandledrejection", (e) => window.__rejections.push(String(e.reason)));
         """)
+        yield page
+        rejections = page.evaluate("window.__rejections")
+        browser.close()
+    assert not page_errors, page_errors
+    assert not rejections, rejections
+    refused = re.compile(rf"WebSocket connection to 'ws://127\.0\.0\.1:{port}/v1/stream' failed")
+    assert all(refused.search(m) for m in console), [m for m in console
+                                                     if not refused.search(m)]
+
+
+def state(page: Any) -> str:
+    return str(page.evaluate("window.__rtts.client.state"))
+
+
+def test_restarts_outages_and_barge_in_never_jam(rtts_proc: Server) -> None:
+    port = rtts_proc.port
+    with demo_page(port) as page:
         page.goto(f"http://127.0.0.1:{port}/?backoff_max_ms=200&backoff_base_ms=50"
                   "&queue_deadline_ms=6000")
         page.wait_for_function("() => window.__rtts && window.__rtts.info !== null")
@@ -200,13 +216,6 @@ def test_restarts_outages_and_barge_in_never_jam(rtts_proc: Server) -> None:
         text = page.locator("#heardtext").inner_text()
         assert text.startswith("“"), text  # the server's heard text of the last barge-in
 
-        rejections = page.evaluate("window.__rejections")
-        browser.close()
-    assert not page_errors, page_errors
-    assert not rejections, rejections
-    refused = re.compile(rf"WebSocket connection to 'ws://127\.0\.0\.1:{port}/v1/stream' failed")
-    assert all(refused.search(m) for m in console), [m for m in console
-                                                     if not refused.search(m)]
 
 
 def test_a_sixty_second_outage_with_default_settings_recovers_without_reload(
@@ -216,17 +225,7 @@ def test_a_sixty_second_outage_with_default_settings_recovers_without_reload(
     page is back within one backoff step and speaks audibly, with no reload, no page error
     and no unhandled rejection."""
     port = rtts_proc.port
-    console: list[str] = []
-    page_errors: list[str] = []
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
-        page = browser.new_context().new_page()
-        page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: page_errors.append(str(e)))
-        page.add_init_script("""
-          window.__rejections = [];
-          addEventListener("unhandledrejection", (e) => window.__rejections.push(String(e.reason)));
-        """)
+    with demo_page(port) as page:
         page.goto(f"http://127.0.0.1:{port}/")
         page.wait_for_function("() => window.__rtts && window.__rtts.info !== null")
         page.evaluate("window.__u = window.__rtts.speak('Before the outage.')")
@@ -248,10 +247,3 @@ def test_a_sixty_second_outage_with_default_settings_recovers_without_reload(
         assert time.monotonic() - started < 7.0  # within one capped backoff step
         page.evaluate("window.__b = window.__rtts.speak('Back after a minute away.')")
         assert page.evaluate(f"async () => ({WAIT_AUDIBLE})(await window.__b)") > 0
-        rejections = page.evaluate("window.__rejections")
-        browser.close()
-    assert not page_errors, page_errors
-    assert not rejections, rejections
-    refused = re.compile(rf"WebSocket connection to 'ws://127\.0\.0\.1:{port}/v1/stream' failed")
-    assert all(refused.search(m) for m in console), [m for m in console
-                                                     if not refused.search(m)]

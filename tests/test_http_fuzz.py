@@ -2,7 +2,8 @@
 PyPI) against a real ``rtts serve`` process over a real socket: every operation in
 ``/openapi.json`` gets generated valid and invalid requests, and none may answer 5xx or leave
 a traceback in the server's log. It found a 500 on ``POST /v1/voices`` with a list as
-``name`` (fixed). The fake engine stands in for the model.
+``name`` (fixed). The long-text job API is on (a real redis-server and a worker). The fake
+engine stands in for the model.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import free_port, start_rtts
+from procs import free_port, start_redis, start_rtts
 
 KEY = "fuzz-key-0123456789abcdef"
 ST = Path(sys.executable).with_name("st")
@@ -25,8 +26,11 @@ ST = Path(sys.executable).with_name("st")
 def test_no_server_errors_and_no_tracebacks_under_schemathesis(tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "server.log"
-    args = ["--engine", "fake", "--api-key", KEY, "--voices-dir", str(tmp_path / "voices")]
-    with start_rtts(args, port, log):
+    (tmp_path / "redis").mkdir()
+    with start_redis(tmp_path / "redis") as redis_url, start_rtts(
+            ["--engine", "fake", "--api-key", KEY, "--voices-dir", str(tmp_path / "voices"),
+             "--jobs", "--jobs-redis", redis_url, "--jobs-dir", str(tmp_path / "jobs")],
+            port, log):
         run = subprocess.run(
             [str(ST if ST.exists() else shutil.which("st")), "run",
              f"http://127.0.0.1:{port}/openapi.json", "-H", f"Authorization: Bearer {KEY}",

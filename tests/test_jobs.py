@@ -361,6 +361,13 @@ async def test_bad_input_gets_a_clear_4xx(redis_url, tmp_path, request_, status,
         got, _, err = await ahttp("POST", f"{base}/v1/jobs", b"{not json",
                                   {"Content-Type": "application/json"})
         assert got == 400 and err["error"]["code"] == "invalid_json"
+        # absurd JSON numbers (found by the schemathesis fuzz: these were 500s)
+        for field, value in (("top_K", 3925946075093535448788161789952), ("seed", True),
+                             ("temperature", [1]), ("voice", 5), ("sample_rate", 1e300)):
+            got, _, err = await ahttp(
+                "POST", f"{base}/v1/jobs", json.dumps({"text": "Hi.", field: value}).encode(),
+                {"Content-Type": "application/json"})
+            assert got == 400 and err["error"]["param"] == field, (field, got, err)
         got, _, err = await ahttp("GET", f"{base}/v1/jobs/nope")
         assert got == 404
 
@@ -591,3 +598,28 @@ async def test_job_on_the_tiny_random_checkpoint(redis_url, tmp_path, tiny_check
 def _no_proxy(monkeypatch):
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     os.environ.setdefault("no_proxy", "127.0.0.1")
+
+
+async def test_a_segment_finishing_after_its_job_was_cancelled_is_dropped_quietly(
+        redis_url, tmp_path, monkeypatch):
+    """Found by the schemathesis fuzz: DELETE removed the job's directory while a worker
+    wrote a segment into it, and the worker logged a FileNotFoundError traceback and
+    retried. The store now answers -1 (job gone) and leaves no directory behind."""
+    store = JobStore(jobs_config(redis_url, tmp_path))
+    try:
+        await store.begin("j1", "anonymous", "wav", 24000, {})
+        assert await store.cancel("j1")
+        path = store.segment_path("j1", 0, "wav")
+        assert not path.parent.exists()
+        import rtts.jobs.store as store_mod
+
+        def racing_write(p: Path, data: bytes, consumer: str) -> None:
+            raise FileNotFoundError(2, "No such file or directory", str(p))
+
+        with monkeypatch.context() as m:
+            m.setattr(store_mod, "_write_atomic", racing_write)  # the rmtree lands mid-write
+            assert await store.store_segment("j1", 0, "wav", b"x" * 10, 5, "w1") == -1
+        assert await store.store_segment("j1", 0, "wav", b"x" * 10, 5, "w1") == -1
+        assert not path.parent.exists()  # written, refused, removed with its directory
+    finally:
+        await store.aclose()

@@ -29,7 +29,7 @@ from ..jobs.store import JobStore
 from ..metrics import render_metrics
 from .common import ApiError, api_error_response
 from .elevenlabs import ElevenLabsEndpoints
-from .jobs import JobEndpoints
+from .jobs import JOBS_OPENAPI, JobEndpoints
 from .openai import MAX_INPUT_CHARS, OPENAI_FORMATS, VOICES, OpenAIEndpoints
 from .rest import RestEndpoints
 from .voices import VOICES_OPENAPI, VoiceEndpoints
@@ -224,6 +224,7 @@ def openapi_schema(service: Service) -> dict[str, Any]:
                                                          "sample_rate", "format")],
                                 "responses": {"200": audio, **errors}}},
             **VOICES_OPENAPI,
+            **(JOBS_OPENAPI if service.config.jobs.redis_url else {}),
             **{f"/v1/text-to-speech/{{voice_id}}{tail}": {"post": {
                 "summary": f"ElevenLabs-compatible speech{what}",
                 "parameters": [{"name": "voice_id", "in": "path", "required": True,

@@ -24,7 +24,7 @@ from ..core.service import Service
 from ..errors import ErrorCode, RttsError
 
 __all__ = ["ApiError", "HttpContext", "api_error_response", "auth_api_error", "authorize",
-           "check_ready",
+           "check_ready", "number_param",
            "read_body"]
 
 
@@ -97,6 +97,25 @@ def auth_api_error(exc: AuthError) -> ApiError:
         return ApiError(429, exc.reason, type="requests", code="rate_limit_exceeded",
                         headers={"Retry-After": str(exc.retry_after_s or 1)})
     return ApiError(exc.status, exc.reason, code="forbidden")
+
+
+_MAX_INT = 2**31 - 1
+
+
+def number_param(name: str, value: object, *, integer: bool) -> int | float:
+    """A numeric request parameter (a query string, or a JSON number), or a 400 naming the
+    parameter: never a 500 on absurd values (huge, NaN, a boolean, a list)."""
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ApiError(400, f"{name} must be {kind}", param=name, code="invalid_params")
+    try:
+        number: int | float = int(value) if integer else float(value)
+    except (ValueError, OverflowError):
+        raise ApiError(400, f"{name} must be {kind}", param=name,
+                       code="invalid_params") from None
+    if number != number or abs(number) > _MAX_INT:
+        raise ApiError(400, f"{name} is out of range", param=name, code="invalid_params")
+    return number
 
 
 async def read_body(request: Request, limit: int) -> bytes:

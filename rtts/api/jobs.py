@@ -42,9 +42,9 @@ from ..jobs.model import (
 from ..jobs.store import JobRecord, JobStore
 from ..protocol import StartMessage, parse_client_message
 from ..voices import NAME_RE
-from .common import ApiError, authorize, check_ready, read_body
+from .common import ApiError, authorize, check_ready, number_param, read_body
 
-__all__ = ["JobEndpoints"]
+__all__ = ["JOBS_OPENAPI", "JobEndpoints"]
 
 logger = logging.getLogger("rtts.api.jobs")
 
@@ -102,10 +102,12 @@ class JobEndpoints:
             value = options.get(key)
             if value is None or value == "":
                 continue
-            try:
-                start[key] = value if isinstance(value, kind) else kind(value)
-            except (TypeError, ValueError):
-                raise ApiError(400, f"{key} must be a {kind.__name__}", param=key) from None
+            if kind is str:
+                if not isinstance(value, str):
+                    raise ApiError(400, f"{key} must be a string", param=key)
+                start[key] = value
+            else:
+                start[key] = number_param(key, value, integer=kind is int)
         voice = start.get("voice")
         if isinstance(voice, str) and NAME_RE.match(voice) \
                 and self.service.voices.get(voice) is None:
@@ -328,3 +330,38 @@ class JobEndpoints:
                         yield data
         finally:
             self.auth.release(kid)
+
+
+_ERR: Final = {"description": "error", "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/Error"}}}}
+_JOB_ID: Final = {"name": "job", "in": "path", "required": True, "schema": {"type": "string"}}
+_OPTIONS: Final = {
+    "voice": {"type": "string"}, "seed": {"type": "integer", "minimum": 0},
+    "temperature": {"type": "number"}, "top_P": {"type": "number"},
+    "top_K": {"type": "integer"}, "speed": {"type": "integer"},
+    "sample_rate": {"type": "integer"}, "format": {"type": "string", "default": "mp3"},
+    "chapters": {"type": "array", "items": {"type": "integer", "minimum": 0}}}
+JOBS_OPENAPI: Final[dict[str, Any]] = {
+    "/v1/jobs": {"post": {
+        "summary": "submit a long-text job (text/plain body with options in the query, or JSON)",
+        "parameters": [{"name": k, "in": "query", "schema": {"type": "string"}}
+                       for k in _OPTIONS],
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"type": "object", "required": ["text"],
+                                            "properties": {"text": {"type": "string"},
+                                                           **_OPTIONS}}},
+            "text/plain": {"schema": {"type": "string"}}}},
+        "responses": {"202": {"description": "queued"}, "400": _ERR, "404": _ERR,
+                      "413": _ERR, "503": _ERR}}},
+    "/v1/jobs/{job}": {
+        "parameters": [_JOB_ID],
+        "get": {"summary": "job state and progress",
+                "responses": {"200": {"description": "job"}, "404": _ERR}},
+        "delete": {"summary": "cancel a job, or forget a finished one",
+                   "responses": {"200": {"description": "cancelled"}, "404": _ERR}}},
+    "/v1/jobs/{job}/audio": {"get": {
+        "summary": "the job's audio, whole or one chapter; follows a running job",
+        "parameters": [_JOB_ID, {"name": "chapter", "in": "query",
+                                 "schema": {"type": "integer", "minimum": 0}}],
+        "responses": {"200": {"description": "audio"}, "404": _ERR, "409": _ERR}}},
+}

@@ -21,27 +21,11 @@ from ..codecs import CODECS, Codec, codec_for, open_encoder, output_rate
 from ..core.service import Service
 from ..errors import ProtocolError
 from ..protocol import StartMessage, parse_client_message
-from .common import ApiError, HttpContext, authorize, check_ready
+from .common import ApiError, HttpContext, authorize, check_ready, number_param
 
 __all__ = ["RestEndpoints"]
 
 MAX_TTS_CHARS: Final = 5000
-
-
-_MAX_INT = 2**31 - 1
-
-
-def _number(name: str, value: str, *, integer: bool) -> int | float:
-    """A query number, or a 400 naming the parameter (never a 500 on absurd values)."""
-    try:
-        number: int | float = int(value) if integer else float(value)
-    except ValueError:
-        kind = "an integer" if integer else "a number"
-        raise ApiError(400, f"{name} must be {kind}", param=name,
-                       code="invalid_params") from None
-    if abs(number) > _MAX_INT or number != number:
-        raise ApiError(400, f"{name} is out of range", param=name, code="invalid_params")
-    return number
 
 
 class RestEndpoints:
@@ -79,7 +63,7 @@ class RestEndpoints:
             if key == "voice":
                 start[key] = value
             elif key in ("seed", "top_K", "speed", "sample_rate", "temperature", "top_P"):
-                start[key] = _number(key, value, integer=key not in ("temperature", "top_P"))
+                start[key] = number_param(key, value, integer=key not in ("temperature", "top_P"))
         try:
             msg = parse_client_message(orjson.dumps(start))
             assert isinstance(msg, StartMessage)

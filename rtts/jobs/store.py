@@ -264,7 +264,15 @@ class JobStore:
         Returns 1 if newly stored, 0 if it was stored already, -1 if the job is gone or
         cancelled (the file is removed again)."""
         path = self.segment_path(job, seg, fmt)
-        await asyncio.to_thread(_write_atomic, path, data, consumer)
+        try:
+            await asyncio.to_thread(_write_atomic, path, data, consumer)
+        except FileNotFoundError:
+            # the job was cancelled or deleted (its directory removed) while this segment
+            # was written: nothing to store
+            state = _s(await self.redis.hget(self.key(job), "state"))
+            if state in (JobState.CANCELLED, ""):
+                return -1
+            raise
         keys = [self.key(job), self.key(job, "bits"), self.key(job, "seglen"),
                 self.key(job, "log")]
         result = int(await self._complete(
@@ -272,6 +280,8 @@ class JobStore:
         if result < 0:
             with contextlib.suppress(OSError):
                 path.unlink()
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()  # only if empty: a deleted job leaves no directory
         return result
 
     # -- the queue (workers) -----------------------------------------------------------

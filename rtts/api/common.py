@@ -10,8 +10,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, Final
 
 import orjson
 from starlette.requests import Request
@@ -21,10 +21,11 @@ from ..auth import Authenticator, AuthError
 from ..codecs import Encoder
 from ..core.context import Audio, Done, Event, SegmentFailed, SpeechContext
 from ..core.service import Service
-from ..errors import ErrorCode, RttsError
+from ..errors import ErrorCode, ProtocolError, RttsError
+from ..protocol import StartMessage, parse_client_message
 
 __all__ = ["ApiError", "HttpContext", "api_error_response", "auth_api_error", "authorize",
-           "check_ready", "number_param",
+           "check_ready", "number_param", "start_message",
            "read_body"]
 
 
@@ -116,6 +117,36 @@ def number_param(name: str, value: object, *, integer: bool) -> int | float:
     if number != number or abs(number) > _MAX_INT:
         raise ApiError(400, f"{name} is out of range", param=name, code="invalid_params")
     return number
+
+
+# The synthesis parameters a request may carry as plain options (a query string, a JSON
+# object), by type; they become a native ``start`` message.
+START_OPTIONS: Final = {"voice": str, "seed": int, "temperature": float, "top_P": float,
+                        "top_K": int, "speed": int, "sample_rate": int}
+
+
+def start_message(service: Service, options: Mapping[str, object],
+                  **fixed: object) -> StartMessage:
+    """A validated ``start`` message from the :data:`START_OPTIONS` present in ``options``
+    (and ``fixed`` fields), or a 400 naming what is wrong."""
+    start: dict[str, object] = {"type": "start", **fixed}
+    for key, kind in START_OPTIONS.items():
+        if key not in options:
+            continue
+        value = options[key]
+        if kind is str:
+            if not isinstance(value, str):
+                raise ApiError(400, f"{key} must be a string", param=key)
+            start[key] = value
+        else:
+            start[key] = number_param(key, value, integer=kind is int)
+    try:
+        msg = parse_client_message(orjson.dumps(start))
+        assert isinstance(msg, StartMessage)
+        service.validate_params(msg.params)
+    except ProtocolError as exc:
+        raise ApiError(400, exc.message, code=str(exc.code)) from None
+    return msg
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -29,7 +29,6 @@ from starlette.routing import Route
 from ..auth import Authenticator
 from ..codecs import codec_for, output_rate
 from ..core.service import Service
-from ..errors import ProtocolError
 from ..jobs.model import (
     JOB_FORMATS,
     JobSplitter,
@@ -40,16 +39,14 @@ from ..jobs.model import (
     wav_header,
 )
 from ..jobs.store import JobRecord, JobStore
-from ..protocol import StartMessage, parse_client_message
+from ..protocol import StartMessage
 from ..voices import NAME_RE
-from .common import ApiError, authorize, check_ready, number_param, read_body
+from .common import ApiError, authorize, check_ready, read_body, start_message
 
 __all__ = ["JOBS_OPENAPI", "JobEndpoints"]
 
 logger = logging.getLogger("rtts.api.jobs")
 
-_PARAMS: Final = {"voice": str, "seed": int, "temperature": float, "top_P": float,
-                  "top_K": int, "speed": int, "sample_rate": int}
 _READ_BYTES: Final = 256 * 1024
 _POLL_S: Final = 0.25
 
@@ -97,28 +94,13 @@ class JobEndpoints:
             raise ApiError(400, f"format must be one of {', '.join(JOB_FORMATS)} (segments "
                                 "are stored apart and concatenated)", param="format",
                            code="invalid_format")
-        start: dict[str, Any] = {"type": "start", "format": "pcm16"}
-        for key, kind in _PARAMS.items():
-            value = options.get(key)
-            if value is None or value == "":
-                continue
-            if kind is str:
-                if not isinstance(value, str):
-                    raise ApiError(400, f"{key} must be a string", param=key)
-                start[key] = value
-            else:
-                start[key] = number_param(key, value, integer=kind is int)
-        voice = start.get("voice")
+        given = {k: v for k, v in options.items() if v is not None and v != ""}
+        voice = given.get("voice")
         if isinstance(voice, str) and NAME_RE.match(voice) \
                 and self.service.voices.get(voice) is None:
             raise ApiError(404, f"no voice named {voice!r} (see GET /v1/voices)",
                            param="voice", code="unknown_voice")
-        try:
-            msg = parse_client_message(orjson.dumps(start))
-            assert isinstance(msg, StartMessage)
-            self.service.validate_params(msg.params)
-        except ProtocolError as exc:
-            raise ApiError(400, exc.message, code=str(exc.code)) from None
+        msg = start_message(self.service, given, format="pcm16")
         chapters = options.get("chapters") or []
         if isinstance(chapters, str):
             try:

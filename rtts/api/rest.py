@@ -8,7 +8,7 @@ streaming header), through the same core context as every other protocol.
 from __future__ import annotations
 
 import time
-from typing import Any, Final
+from typing import Final
 
 import orjson
 from starlette.background import BackgroundTask
@@ -19,9 +19,8 @@ from starlette.routing import Route
 from ..auth import Authenticator
 from ..codecs import CODECS, Codec, codec_for, open_encoder, output_rate
 from ..core.service import Service
-from ..errors import ProtocolError
-from ..protocol import StartMessage, parse_client_message
-from .common import ApiError, HttpContext, authorize, check_ready, number_param
+from ..protocol import StartMessage
+from .common import ApiError, HttpContext, authorize, check_ready, start_message
 
 __all__ = ["RestEndpoints"]
 
@@ -58,18 +57,7 @@ class RestEndpoints:
         codec = codec_for(fmt)
         if codec is None:
             raise ApiError(400, f"format must be one of {', '.join(CODECS)}", param="format")
-        start: dict[str, Any] = {"type": "start"}
-        for key, value in query.items():
-            if key == "voice":
-                start[key] = value
-            elif key in ("seed", "top_K", "speed", "sample_rate", "temperature", "top_P"):
-                start[key] = number_param(key, value, integer=key not in ("temperature", "top_P"))
-        try:
-            msg = parse_client_message(orjson.dumps(start))
-            assert isinstance(msg, StartMessage)
-            self.service.validate_params(msg.params)
-        except ProtocolError as exc:
-            raise ApiError(400, exc.message, code=str(exc.code)) from None
+        msg = start_message(self.service, query)
         return msg, codec, text
 
     async def token(self, request: Request) -> Response:

@@ -170,11 +170,12 @@ class Authenticator:
     def identify(self, authorization: str | None, token: str | None, now: float,
                  key: str | None = None) -> str:
         """Who is connecting: a key id, or "anonymous" when auth is off. ``key`` is a key
-        presented outside ``Authorization`` (e.g. ElevenLabs' ``xi-api-key``)."""
+        presented outside ``Authorization`` (e.g. ElevenLabs' ``xi-api-key``), used only
+        when no ``Authorization`` header was sent."""
         if not self.enabled:
             return "anonymous"
         kid = self.key_from_header(authorization)
-        if kid is None and key:
+        if kid is None and key and not authorization:  # Authorization, when sent, decides
             kid = self.key_from_value(key)
         if kid is None and token:
             kid = self.verify_token(token, now)

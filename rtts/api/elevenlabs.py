@@ -668,13 +668,7 @@ class ElevenLabsEndpoints:
 
     async def _stream(self, request: Request, timestamps: bool) -> Response:
         service = self.service
-        key = request.headers.get("xi-api-key")
-        if key and "authorization" not in request.headers:
-            scope = dict(request.scope)
-            scope["headers"] = [*request.scope["headers"],
-                                (b"authorization", f"Bearer {key}".encode("latin-1"))]
-            request = Request(scope, request.receive)
-        kid = authorize(self.auth, service, request)
+        kid = authorize(self.auth, service, request, key=request.headers.get("xi-api-key"))
         try:
             raw = await read_body(request, service.config.max_message_bytes)
             try:

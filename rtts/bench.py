@@ -137,24 +137,33 @@ async def one_stream(url: str, text: str, index: int, pieces: int = 1) -> Stream
         for i in range(0, len(text), step):
             await ws.send(json.dumps({"type": "text", "text": text[i:i + step]}))
         await ws.send(json.dumps({"type": "end"}))
-        first = None
-        samples = 0
-        rate = 24000
-        while True:
-            msg = await ws.recv()
-            if isinstance(msg, bytes):
-                if first is None:
-                    first = time.perf_counter() - t0
-                samples += (len(msg) - 12) // 2
-                continue
-            event = json.loads(msg)
-            if event["type"] == "segment_started":
-                rate = event["sample_rate"]
-            elif event["type"] == "error":
-                raise RuntimeError(f"stream {index}: {event}")
-            elif event["type"] == "done":
-                break
-        return StreamResult(first or 0.0, samples / rate, time.perf_counter() - t0)
+        first, audio, _ = await receive_audio(ws, index)
+        return StreamResult(first - t0 if first else 0.0, audio, time.perf_counter() - t0)
+
+
+async def receive_audio(ws: Any, index: int) -> tuple[float | None, float, float]:
+    """Read one context's PCM16 frames until ``done``: the first frame's arrival
+    (``perf_counter``, None if none came), the seconds of audio, and the worst lateness of
+    a frame against playback started at the first frame."""
+    first: float | None = None
+    audio = late = 0.0
+    rate = 24000
+    while True:
+        msg = await ws.recv()
+        if isinstance(msg, bytes):
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            late = max(late, (now - first) - audio)  # due at first + audio so far
+            audio += (len(msg) - 12) / 2 / rate
+            continue
+        event = json.loads(msg)
+        if event["type"] == "segment_started":
+            rate = event["sample_rate"]
+        elif event["type"] == "error":
+            raise RuntimeError(f"stream {index}: {event}")
+        elif event["type"] == "done":
+            return first, audio, late
 
 
 async def run_load(url: str, streams: int, text: str,
@@ -272,26 +281,8 @@ async def timed_stream(url: str, text: str, index: int) -> TimedStream:
         for word in text.split(" "):
             await ws.send(json.dumps({"type": "text", "text": word + " "}))
         await ws.send(json.dumps({"type": "end"}))
-        first: float | None = None
-        audio = late = 0.0
-        rate = 24000
-        while True:
-            msg = await ws.recv()
-            now = time.perf_counter()
-            if isinstance(msg, bytes):
-                if first is None:
-                    first = now
-                late = max(late, (now - first) - audio)  # due at first + audio so far
-                audio += (len(msg) - 12) / 2 / rate
-                continue
-            event = json.loads(msg)
-            if event["type"] == "segment_started":
-                rate = event["sample_rate"]
-            elif event["type"] == "error":
-                raise RuntimeError(f"stream {index}: {event}")
-            elif event["type"] == "done":
-                break
-        return TimedStream((first or now) - t0, audio, late)
+        first, audio, late = await receive_audio(ws, index)
+        return TimedStream((first or time.perf_counter()) - t0, audio, late)
 
 
 def realtime_row(results: list[TimedStream], wall_s: float, ttfa_limit: float,

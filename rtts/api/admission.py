@@ -140,7 +140,6 @@ class WsAdmission:
             if exc.status == 401 and key_later and not presented:
                 self._principals[connection] = Principal(None, client)
                 return None
-            service.stats.auth_rejected += 1
             service.stats.auth_rejected_by[exc.kind] += 1
             return refusal(exc)
         self._principals[connection] = Principal(kid, client)
@@ -156,7 +155,6 @@ class WsAdmission:
             kid = self.auth.identify(authorization, None, time.time(), key=key)
             self.auth.admit(kid, time.monotonic())
         except AuthError as exc:
-            self.service.stats.auth_rejected += 1
             self.service.stats.auth_rejected_by[exc.kind] += 1
             raise
         principal.kid = kid
@@ -171,7 +169,6 @@ class WsAdmission:
             if principal.kid is not None:
                 self.auth.admit(principal.kid, time.monotonic())
         except AuthError as exc:
-            self.service.stats.auth_rejected += 1
             self.service.stats.auth_rejected_by[exc.kind] += 1
             with contextlib.suppress(ConnectionClosed):
                 await ws.send(orjson.dumps({"type": "error", "code": str(ErrorCode.OVERLOADED),

@@ -83,7 +83,6 @@ def authorize(auth: Authenticator, service: Service, request: Request, *,
         if admit:
             auth.admit(kid, time.monotonic())
     except AuthError as exc:
-        service.stats.auth_rejected += 1
         service.stats.auth_rejected_by[exc.kind] += 1
         raise auth_api_error(exc) from None
     return kid

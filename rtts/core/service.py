@@ -56,7 +56,6 @@ class Stats:
     cancels: int = 0
     protocol_errors: int = 0
     rejected: int = 0
-    auth_rejected: int = 0
     # refusals by reason: unauthorized, forbidden_origin, quota, client_connections
     auth_rejected_by: Counter[str] = field(default_factory=Counter)
     idle_closed: int = 0  # WebSockets closed by the idle timeout
@@ -66,6 +65,12 @@ class Stats:
     ttfa_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
     # engine output -> frame handed to the socket, per live frame (server-added latency)
     frame_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=20000))
+
+    @property
+    def auth_rejected(self) -> int:
+        """Refusals by key, token, origin or quota (not by the connection caps)."""
+        return sum(n for reason, n in self.auth_rejected_by.items()
+                   if reason != "client_connections")
 
 
 class SegmentRecorder:

@@ -141,7 +141,8 @@ async def test_failed_reset_and_dropped_handshakes_do_not_lock_a_key_out() -> No
             assert await _status(url, additional_headers=hdr) == 429
         await asyncio.sleep(0.3)
         assert not app.auth.active  # released on every path out
-        assert app.native.admission.open_connections == 0 and not app.native.admission.per_client
+        counts = app.native.admission.counts
+        assert counts.total == 0 and not counts.per_client
 
 
 # -- 2/3. every synthesis endpoint goes through auth, origin and quota --------------------

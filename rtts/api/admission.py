@@ -25,7 +25,6 @@ import logging
 import time
 import urllib.parse
 import weakref
-from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -39,7 +38,7 @@ from ..core.service import Service
 from ..errors import CLOSE_TRY_AGAIN_LATER, ErrorCode
 from ..http import respond
 
-__all__ = ["Principal", "WsAdmission", "client_address", "refusal"]
+__all__ = ["ConnectionCounts", "Principal", "WsAdmission", "client_address", "refusal"]
 
 logger = logging.getLogger("rtts.auth")
 
@@ -81,6 +80,37 @@ def _trusted(addr: str, trusted: tuple[str, ...]) -> bool:
     return False
 
 
+class ConnectionCounts:
+    """Open connections, all together and per client address, against their caps (one
+    listener's: the WebSockets share one, the Wyoming listener has its own)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.per_client: dict[str, int] = {}
+
+    def refusal(self, client: str, max_total: int, per_client: int | None
+                ) -> tuple[int, str] | None:
+        """The HTTP status and reason if one more connection of ``client`` would go over a
+        cap (503: all clients together; 429: this client), else None."""
+        if self.total >= max_total:
+            return 503, "too many connections"
+        if per_client is not None and self.per_client.get(client, 0) >= per_client:
+            return 429, f"at most {per_client} connections per client"
+        return None
+
+    def add(self, client: str) -> None:
+        self.total += 1
+        self.per_client[client] = self.per_client.get(client, 0) + 1
+
+    def remove(self, client: str) -> None:
+        self.total -= 1
+        left = self.per_client.get(client, 1) - 1
+        if left > 0:
+            self.per_client[client] = left
+        else:
+            self.per_client.pop(client, None)
+
+
 def refusal(exc: AuthError) -> Response:
     """The handshake's HTTP answer to an :class:`AuthError`."""
     extra: list[tuple[str, str]] = []
@@ -98,8 +128,7 @@ class WsAdmission:
         self.service = service
         self.auth = auth
         self.config = service.config
-        self.open_connections = 0
-        self.per_client: defaultdict[str, int] = defaultdict(int)
+        self.counts = ConnectionCounts()  # open sessions, counted by session()
         self._principals: weakref.WeakKeyDictionary[ServerConnection, Principal] = (
             weakref.WeakKeyDictionary())
 
@@ -120,14 +149,14 @@ class WsAdmission:
         if service.state != "ready":
             return respond(503, f"not ready: {service.state_reason}\n",
                            extra=[("Retry-After", "1")])
-        if self.open_connections >= cfg.max_connections:
-            return respond(503, "too many connections\n", extra=[("Retry-After", "1")])
         client = self._peer(connection, request)
-        cap = cfg.max_connections_per_client
-        if cap is not None and self.per_client.get(client, 0) >= cap:
-            service.stats.auth_rejected_by["client_connections"] += 1
-            return respond(429, f"at most {cap} connections per client\n",
-                           extra=[("Retry-After", "5")])
+        full = self.counts.refusal(client, cfg.max_connections, cfg.max_connections_per_client)
+        if full is not None:
+            status, reason = full
+            if status == 429:
+                service.stats.auth_rejected_by["client_connections"] += 1
+            return respond(status, f"{reason}\n",
+                           extra=[("Retry-After", "5" if status == 429 else "1")])
         query = urllib.parse.parse_qs(urllib.parse.urlsplit(request.path).query)
         try:
             self.auth.check_origin(request.headers.get("Origin"))
@@ -176,17 +205,11 @@ class WsAdmission:
                 await ws.close(CLOSE_TRY_AGAIN_LATER, exc.reason[:120])
             yield None
             return
-        self.open_connections += 1
-        self.per_client[principal.client] += 1
+        self.counts.add(principal.client)
         try:
             yield principal
         finally:
-            self.open_connections -= 1
-            left = self.per_client[principal.client] - 1
-            if left > 0:
-                self.per_client[principal.client] = left
-            else:
-                del self.per_client[principal.client]
+            self.counts.remove(principal.client)
             if principal.kid is not None:
                 self.auth.release(principal.kid)
 

@@ -46,6 +46,7 @@ from ..core.context import Audio, Done, SegmentFailed, SpeechContext
 from ..core.service import Service
 from ..errors import RttsError
 from ..protocol import SynthParams
+from .admission import ConnectionCounts
 from .common import ApiError
 from .openai import VOICES, resolve_voice
 
@@ -295,7 +296,7 @@ class WyomingListener:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.connections: set[_Connection] = set()
-        self._per_client: dict[str, int] = {}  # open connections per peer address
+        self._counts = ConnectionCounts()  # open connections, by peer address
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, self.host, self.port,
@@ -311,13 +312,12 @@ class WyomingListener:
         cfg = self.service.config
         peer = writer.get_extra_info("peername")
         client = str(peer[0]) if isinstance(peer, tuple) and peer else "unknown"
-        cap = cfg.max_connections_per_client
-        if len(self._tasks) >= cfg.max_connections or (
-                cap is not None and self._per_client.get(client, 0) >= cap):
+        if self._counts.refusal(client, cfg.max_connections,
+                                cfg.max_connections_per_client) is not None:
             self.service.stats.auth_rejected_by["client_connections"] += 1
             self._own(self._refuse(writer))
             return
-        self._per_client[client] = self._per_client.get(client, 0) + 1
+        self._counts.add(client)
         self._own(self._serve(_Connection(self, reader, writer), client))
 
     def _own(self, coro: Any) -> None:
@@ -343,11 +343,7 @@ class WyomingListener:
             await conn.run()
         finally:
             self.connections.discard(conn)
-            left = self._per_client.get(client, 1) - 1
-            if left > 0:
-                self._per_client[client] = left
-            else:
-                self._per_client.pop(client, None)
+            self._counts.remove(client)
             self.service.activity.set()
 
     def busy(self) -> int:

@@ -8,13 +8,13 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .auth import AuthConfig
-from .cache import CacheConfig
-from .governor import GovernorConfig
-from .jobs.model import JobsConfig
-from .scheduler import SchedulerConfig
-from .session import SessionLimits
-from .voices import default_voices_dir
+from rtts.api.auth import AuthConfig
+from rtts.api.native.session import SessionLimits
+from rtts.core.cache import CacheConfig
+from rtts.core.governor import GovernorConfig
+from rtts.core.scheduler import SchedulerConfig
+from rtts.core.voices import default_voices_dir
+from rtts.jobs.model import JobsConfig
 
 __all__ = ["EngineConfig", "ServerConfig", "default_home", "default_model_dir",
            "packaged_web_dir"]
@@ -65,7 +65,7 @@ class EngineConfig:
     fake_rtf: float = 0.0  # fake engine only
     fake_first_chunk_ms: float = 0.0  # fake engine only
     # piper voice models (.onnx, config beside it): with name="piper" they are the engine;
-    # beside another engine they are its piper voices (rtts.engines.piper_engine)
+    # beside another engine they are its piper voices (rtts.engines.piper)
     voice_models: tuple[Path, ...] = ()
     piper_workers: int | None = None  # piper segments synthesized at once; None = cores
 
@@ -104,7 +104,7 @@ class ServerConfig:
     governor: GovernorConfig = field(default_factory=GovernorConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    # named voices (rtts.voices): a directory instances may share; None = built-ins only
+    # named voices (rtts.core.voices): a directory instances may share; None = built-ins only
     voices_dir: Path | None = field(default_factory=default_voices_dir)
     # long-text jobs (rtts.jobs): the API when jobs.redis_url is set, a worker with jobs.worker
     jobs: JobsConfig = field(default_factory=JobsConfig)

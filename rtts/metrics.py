@@ -6,7 +6,7 @@ from collections import Counter
 
 import psutil
 
-from .core.service import Service
+from rtts.core.service import Service
 
 __all__ = ["render_metrics"]
 

@@ -2,8 +2,8 @@
 
 :class:`App` is the :class:`~rtts.core.service.Service` (engine, scheduler, cache,
 governor) plus what serves it: the ``websockets`` listener whose connections are sniffed
-by :mod:`rtts.api.listener` (WebSocket upgrades -> :mod:`rtts.api.native`, plain HTTP ->
-the ASGI app of :mod:`rtts.api.app` on uvicorn's HTTP protocol), graceful drain, and the
+by :mod:`rtts.api.listener` (WebSocket upgrades -> :mod:`rtts.api.native.connection`, plain HTTP ->
+the ASGI app of :mod:`rtts.api.http.app` on uvicorn's HTTP protocol), graceful drain, and the
 startup order (listen first, ``/healthz`` up, ``/readyz`` 503 until the engine is loaded).
 """
 
@@ -18,20 +18,20 @@ from collections.abc import AsyncIterator
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 
-from . import __version__
-from .api.app import build_http_app
-from .api.elevenlabs import PATH_PREFIX, ElevenLabsEndpoints
-from .api.listener import HttpSide, sniffing_connection_factory
-from .api.native import Connection, ContextPipeline, NativeEndpoint
-from .api.wyoming import WyomingListener
-from .auth import Authenticator
-from .config import ServerConfig
-from .core.service import Service, Stats
-from .engines.base import Engine
-from .errors import CLOSE_GOING_AWAY
-from .governor import Level
-from .jobs.store import JobStore
-from .jobs.worker import JobWorker
+from rtts import __version__
+from rtts.api.auth import Authenticator
+from rtts.api.elevenlabs import PATH_PREFIX, ElevenLabsEndpoints
+from rtts.api.http.app import build_http_app
+from rtts.api.listener import HttpSide, sniffing_connection_factory
+from rtts.api.native.connection import Connection, ContextPipeline, NativeEndpoint
+from rtts.api.wyoming import WyomingListener
+from rtts.config import ServerConfig
+from rtts.core.governor import Level
+from rtts.core.service import Service, Stats
+from rtts.engines.base import Engine
+from rtts.errors import CLOSE_GOING_AWAY
+from rtts.jobs.store import JobStore
+from rtts.jobs.worker import JobWorker
 
 __all__ = ["App", "Connection", "ContextPipeline", "Stats", "bound_port", "run_server"]
 

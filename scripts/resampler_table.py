@@ -1,4 +1,4 @@
-"""The resampler table in README.md (issue 19): quality and speed of rtts.audio.StreamingResampler.
+"""The resampler table in README.md (issue 19): quality and speed of rtts.audio.pcm.StreamingResampler.
 
     .venv/bin/python scripts/resampler_table.py
 
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from rtts.audio import StreamingResampler
+from rtts.audio.pcm import StreamingResampler
 
 SRC = 24000
 AMP = 0.5

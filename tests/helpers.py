@@ -17,10 +17,10 @@ from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 
+from rtts.api.native.protocol import FrameHeader, unpack_frame
 from rtts.config import EngineConfig, ServerConfig
+from rtts.core.scheduler import SchedulerConfig
 from rtts.engines.fake import FakeEngine
-from rtts.protocol import FrameHeader, unpack_frame
-from rtts.scheduler import SchedulerConfig
 from rtts.server import App, bound_port, run_server
 
 TIME_UNIT = float(os.environ.get("RTTS_TEST_TIME_UNIT", "1.0"))  # scale timeouts on slow CI

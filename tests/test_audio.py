@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from rtts.audio import (
+from rtts.audio.pcm import (
     StreamingResampler,
     float_to_pcm16,
     pcm16_to_float,

@@ -11,7 +11,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from helpers import base_config, server
-from rtts.auth import AuthConfig, Authenticator, AuthError
+from rtts.api.auth import AuthConfig, Authenticator, AuthError
 from rtts.server import bound_port
 
 KEY = "sk-test-123"

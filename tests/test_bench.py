@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from procs import free_port
-from rtts.bench import (
+from rtts.bench.main import (
     arrival_times,
     bench_chattts,
     bench_fake,
@@ -13,7 +13,7 @@ from rtts.bench import (
     bench_soak,
     bench_staggered,
 )
-from rtts.cli import build_parser
+from rtts.cli.main import build_parser
 
 
 @pytest.mark.chattts

@@ -9,7 +9,8 @@ import pytest
 
 from helpers import base_config, client, server
 from procs import free_port
-from rtts.cache import (
+from rtts.api.native.protocol import SynthParams
+from rtts.core.cache import (
     CacheConfig,
     LruAudio,
     PhraseCache,
@@ -18,9 +19,8 @@ from rtts.cache import (
     encode_audio,
     normalize_text,
 )
+from rtts.core.governor import Level
 from rtts.engines.fake import FakeEngine
-from rtts.governor import Level
-from rtts.protocol import SynthParams
 
 # -- pure ------------------------------------------------------------------------------
 

@@ -12,10 +12,10 @@ import pytest
 pytest.importorskip("ChatTTS")
 
 from helpers import base_config, client, server  # noqa: E402
+from rtts.api.native.protocol import SynthParams  # noqa: E402
 from rtts.config import EngineConfig  # noqa: E402
 from rtts.engines.base import SynthRequest  # noqa: E402
-from rtts.engines.chattts_engine import ChatTTSEngine  # noqa: E402
-from rtts.protocol import SynthParams  # noqa: E402
+from rtts.engines.chattts import ChatTTSEngine  # noqa: E402
 
 pytestmark = pytest.mark.chattts
 
@@ -158,7 +158,7 @@ def test_engine_identity_names_the_weights_not_the_path(engine, tiny_checkpoint,
     other weights or other decode settings."""
     import shutil
 
-    from rtts.engines.chattts_engine import _identity
+    from rtts.engines.chattts import _identity
 
     cfg = engine.config
     assert engine.identity == f"chattts:{_identity(cfg, tiny_checkpoint, 'custom')}"

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from rtts import __version__
-from rtts.cli import build_parser, config_from_args
-from rtts.cliconf import env_name, option_actions
+from rtts.cli.main import build_parser, config_from_args
+from rtts.cli.options import env_name, option_actions
 
 
 def rtts(*args: str, env: dict[str, str] | None = None,
@@ -132,8 +132,8 @@ def test_user_mistakes_in_a_real_process_are_one_line_and_exit_2(args, says):
 
 
 def main_exit(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    """``rtts.cli.main`` in-process: (exit status, stderr)."""
-    from rtts.cli import main
+    """``rtts.cli.main.main`` in-process: (exit status, stderr)."""
+    from rtts.cli.main import main
 
     try:
         code = main(argv)
@@ -213,7 +213,7 @@ def test_governor_thresholds_are_flags_with_the_documented_defaults(monkeypatch)
 
 def test_mechanism_covers_every_kind_of_option(monkeypatch, tmp_path):
     """A flag someone adds later, of any argparse kind, reads its variable and file key."""
-    from rtts.cliconf import Parser
+    from rtts.cli.options import Parser
 
     def parser() -> Parser:
         p = Parser(prog="rtts")
@@ -247,7 +247,7 @@ def test_mechanism_covers_every_kind_of_option(monkeypatch, tmp_path):
 
 def test_secrets_are_never_echoed(monkeypatch, capsys):
     """A secret from the environment shows neither in --help nor in an error message."""
-    from rtts.cliconf import Parser
+    from rtts.cli.options import Parser
 
     p = Parser(prog="rtts")
     s = p.add_subparsers(dest="command").add_parser("serve")

@@ -1,4 +1,4 @@
-"""Streaming encoders (rtts.codecs): every format decodes back (PyAV) with the right codec,
+"""Streaming encoders (rtts.audio.codecs): every format decodes back (PyAV) with the right codec,
 rate and length, and bytes come out while audio is still going in (no whole-clip buffer)."""
 
 import io
@@ -7,7 +7,7 @@ import av
 import numpy as np
 import pytest
 
-from rtts.codecs import CODECS, codec_for, open_encoder, streaming_wav_header
+from rtts.audio.codecs import CODECS, codec_for, open_encoder, streaming_wav_header
 
 RATE = 24000
 TONE = (0.3 * np.sin(2 * np.pi * 440 * np.arange(2 * RATE) / RATE)).astype(np.float32)

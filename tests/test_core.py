@@ -7,10 +7,11 @@ import asyncio
 import numpy as np
 
 from helpers import base_config
-from rtts.core import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted, Service
+from rtts.api.native.protocol import SynthParams
+from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
+from rtts.core.service import Service
 from rtts.engines.fake import FakeEngine
-from rtts.protocol import SynthParams
-from rtts.segmenter import Chunk
+from rtts.text.segmenter import Chunk
 
 
 async def started_service(engine=None) -> Service:

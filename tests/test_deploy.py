@@ -4,7 +4,7 @@ from pathlib import Path
 
 import yaml
 
-from rtts.cli import build_parser, config_from_args
+from rtts.cli.main import build_parser, config_from_args
 from rtts.config import ServerConfig
 from rtts.engines.fake import FakeEngine
 from rtts.metrics import render_metrics

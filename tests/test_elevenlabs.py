@@ -28,6 +28,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from helpers import base_config, server
+from rtts.api.auth import AuthConfig
 from rtts.api.elevenlabs import (
     ElevenError,
     _Aligner,
@@ -37,7 +38,6 @@ from rtts.api.elevenlabs import (
     resolve_voice_id,
     socket_kind,
 )
-from rtts.auth import AuthConfig
 from rtts.server import bound_port
 
 TEXT = "Hello there, friend. How are you today? I am fine, thanks for asking."
@@ -438,7 +438,7 @@ async def test_real_chattts_multi_stream_alignment_and_wyoming(tiny_checkpoint):
     from wyoming.tts import Synthesize
 
     from rtts.config import EngineConfig
-    from rtts.engines.chattts_engine import ChatTTSEngine
+    from rtts.engines.chattts import ChatTTSEngine
 
     cfg = replace(base_config(), wyoming_port=0,
                   engine=EngineConfig(source="custom", model_dir=tiny_checkpoint, threads=2,

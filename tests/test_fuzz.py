@@ -19,10 +19,10 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from helpers import client, server
+from rtts.api.native.protocol import parse_client_message
+from rtts.api.native.session import SendEvent, Session, SessionLimits, Synthesize
 from rtts.engines.fake import FakeEngine
 from rtts.errors import ProtocolError
-from rtts.protocol import parse_client_message
-from rtts.session import SendEvent, Session, SessionLimits, Synthesize
 
 CIDS = ["a", "b", "c", "default"]
 
@@ -86,7 +86,7 @@ def test_session_state_machine_invariants(steps):
 
 
 def _chunk():
-    from rtts.segmenter import Chunk
+    from rtts.text.segmenter import Chunk
 
     return Chunk("x", 0, 1)
 

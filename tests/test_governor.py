@@ -7,9 +7,9 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 from helpers import base_config, client, server
+from rtts.core.governor import Governor, GovernorConfig, Level, LoadSignals
+from rtts.core.scheduler import SchedulerConfig
 from rtts.engines.fake import FakeEngine
-from rtts.governor import Governor, GovernorConfig, Level, LoadSignals
-from rtts.scheduler import SchedulerConfig
 
 CFG = GovernorConfig(degrade_queue_depth=10, reject_queue_depth=20, degrade_rss_mb=1000,
                      reject_rss_mb=2000, recover_ratio=0.5, hold_s=1.0)
@@ -97,7 +97,7 @@ async def test_server_degrades_rejects_and_recovers():
 async def test_degraded_sessions_get_shorter_segments():
     cfg = base_config()
     async with server(cfg, FakeEngine(ms_per_char=5)) as (app, url), client(url) as c:
-        from rtts.governor import Level
+        from rtts.core.governor import Level
 
         app.governor.level = Level.DEGRADED
         app.apply_level(Level.DEGRADED)

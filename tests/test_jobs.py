@@ -26,14 +26,14 @@ import pytest
 
 from helpers import base_config, server
 from procs import free_port, start_rtts, wait_http
-from rtts.auth import AuthConfig
+from rtts.api.auth import AuthConfig
+from rtts.api.native.protocol import SynthParams
 from rtts.config import EngineConfig
+from rtts.core.scheduler import BACKGROUND, Preempted, Scheduler, SchedulerConfig
 from rtts.engines.base import SynthRequest
 from rtts.engines.fake import FakeEngine
 from rtts.jobs.model import JobsConfig, JobSplitter, eta_seconds, parse_chapters
 from rtts.jobs.store import JobStore
-from rtts.protocol import SynthParams
-from rtts.scheduler import BACKGROUND, Preempted, Scheduler, SchedulerConfig
 from rtts.server import bound_port
 from rtts.text import SpokenText
 
@@ -523,7 +523,7 @@ def test_sigkilled_worker_job_finished_by_another_no_segment_lost_or_doubled(red
 def test_worker_manifest_runs_a_worker_on_the_shared_volume(monkeypatch):
     import yaml
 
-    from rtts.cli import build_parser, config_from_args
+    from rtts.cli.main import build_parser, config_from_args
 
     path = Path(__file__).resolve().parent.parent / "deploy" / "k8s" / "rtts-workers.yaml"
     docs = {d["kind"]: d for d in yaml.safe_load_all(path.read_text())}

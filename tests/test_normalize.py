@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rtts.segmenter import DEFAULT_SCHEDULE, Segmenter
 from rtts.text import SpokenText, normalize, spoken_text
 from rtts.text.normalize import trace
+from rtts.text.segmenter import DEFAULT_SCHEDULE, Segmenter
 
 # (written, spoken). Everything is read as written: numbers inside Chinese in Chinese,
 # inside English in English; prosody marks mapped to ones ChatTTS keeps.

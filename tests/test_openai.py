@@ -17,10 +17,10 @@ import openai
 import pytest
 
 from helpers import base_config, server
-from rtts.auth import AuthConfig
+from rtts.api.auth import AuthConfig
+from rtts.core.governor import Level
+from rtts.core.scheduler import SchedulerConfig
 from rtts.engines.fake import FakeEngine
-from rtts.governor import Level
-from rtts.scheduler import SchedulerConfig
 from rtts.server import bound_port
 
 TEXT = "Hello there, friend. How are you today? I am fine, thanks for asking."
@@ -123,7 +123,7 @@ async def test_models_voices_and_voice_forms():
         names = {v["id"] for v in voices["voices"]}
         assert names >= {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx",
                          "sage", "shimmer", "verse", "marin", "cedar"}
-        assert "calm" in names  # and the named voices (rtts.voices), built-ins first
+        assert "calm" in names  # and the named voices (rtts.core.voices), built-ins first
         assert all(v["name"] for v in voices["voices"])
         # {"id": ...}, seed:N, any case, and speed/instructions are accepted
         for voice in ({"id": "verse"}, "seed:7", "Shimmer"):

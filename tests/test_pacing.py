@@ -1,6 +1,6 @@
 import pytest
 
-from rtts.pacing import LeadPacer
+from rtts.api.native.pacing import LeadPacer
 
 
 def test_no_pacing_when_off():

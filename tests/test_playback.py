@@ -12,10 +12,8 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 from helpers import base_config, client, server
-from rtts.engines.fake import FakeEngine
-from rtts.errors import ErrorCode, ProtocolError
-from rtts.pacing import LeadPacer
-from rtts.protocol import (
+from rtts.api.native.pacing import LeadPacer
+from rtts.api.native.protocol import (
     CancelMessage,
     EndMessage,
     PlaybackMessage,
@@ -25,8 +23,10 @@ from rtts.protocol import (
     parse_client_message,
     unpack_frame,
 )
-from rtts.segmenter import Chunk
-from rtts.session import Playback, SendEvent, Session
+from rtts.api.native.session import Playback, SendEvent, Session
+from rtts.engines.fake import FakeEngine
+from rtts.errors import ErrorCode, ProtocolError
+from rtts.text.segmenter import Chunk
 from rtts.text.timings import estimate
 
 # -- pure: parsing, pacer, session ----------------------------------------------------

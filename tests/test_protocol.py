@@ -4,8 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rtts.errors import ErrorCode, ProtocolError
-from rtts.protocol import (
+from rtts.api.native.protocol import (
     SUPPORTED_FORMATS,
     CancelMessage,
     EndMessage,
@@ -17,6 +16,7 @@ from rtts.protocol import (
     parse_client_message,
     unpack_frame,
 )
+from rtts.errors import ErrorCode, ProtocolError
 
 
 def parse(obj):
@@ -134,7 +134,7 @@ def test_structured_fuzz(kind, fields):
 
 
 def test_formats_match_the_codecs_and_take_their_own_rate():
-    from rtts.codecs import CODECS, output_rate
+    from rtts.audio.codecs import CODECS, output_rate
 
     assert set(SUPPORTED_FORMATS) == set(CODECS)
     for fmt in SUPPORTED_FORMATS:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rtts.cli import build_parser, check_serve_args
+from rtts.cli.main import build_parser, check_serve_args
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

@@ -1,4 +1,4 @@
-"""rtts's own REST endpoints (rtts.api.rest) and the HTTP app around them (rtts.api.app)."""
+"""rtts's own REST endpoints (rtts.api.rest) and the HTTP app around them (rtts.api.http.app)."""
 
 from __future__ import annotations
 

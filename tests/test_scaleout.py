@@ -24,8 +24,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from procs import free_port, start_nginx, start_rtts
+from rtts.api.native.protocol import unpack_frame
 from rtts.errors import CLOSE_GOING_AWAY
-from rtts.protocol import unpack_frame
 
 pytestmark = pytest.mark.skipif(
     shutil.which("nginx") is None and not os.path.exists("/usr/sbin/nginx"),

@@ -5,11 +5,11 @@ import asyncio
 import numpy as np
 import pytest
 
+from rtts.api.native.protocol import SynthParams
+from rtts.core.scheduler import Scheduler, SchedulerConfig
 from rtts.engines.base import SynthRequest
 from rtts.engines.fake import FakeEngine
 from rtts.errors import EngineError, EngineTimeout, Overloaded
-from rtts.protocol import SynthParams
-from rtts.scheduler import Scheduler, SchedulerConfig
 
 
 async def collect(stream):

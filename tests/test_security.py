@@ -30,11 +30,11 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from helpers import Client, base_config, server
 from rtts.api import listener
 from rtts.api.admission import client_address
-from rtts.api.app import published
-from rtts.auth import AuthConfig, Authenticator, AuthError, key_id
+from rtts.api.auth import AuthConfig, Authenticator, AuthError, key_id
+from rtts.api.http.app import published
+from rtts.api.native.session import Session
 from rtts.errors import CLOSE_IDLE
 from rtts.server import bound_port
-from rtts.session import Session
 
 KEY = "k1-a-long-enough-test-key"
 SECRET = b"s" * 32
@@ -376,7 +376,7 @@ async def test_odd_paths_and_tokens_are_4xx_without_tracebacks(
 # -- 7. stream numbers wrap at 65,536 without losing the reused number's audio ------------
 
 def test_stream_numbers_wrap_and_skip_open_ones() -> None:
-    from rtts.protocol import parse_client_message
+    from rtts.api.native.protocol import parse_client_message
 
     session = Session()
 
@@ -463,7 +463,7 @@ async def test_static_files_publish_only_the_demo_and_library(tmp_path: Path) ->
 
 
 def test_safety_warnings() -> None:
-    from rtts.cli import safety_warnings
+    from rtts.cli.main import safety_warnings
 
     open_cfg = replace(base_config(), host="0.0.0.0")
     assert any("auth off" in w for w in safety_warnings(open_cfg))

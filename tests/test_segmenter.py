@@ -1,7 +1,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rtts.segmenter import Segmenter, is_speakable
+from rtts.text.segmenter import Segmenter, is_speakable
 
 
 def feed(seg: Segmenter, pieces):

@@ -11,10 +11,10 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from helpers import base_config, client, server
+from rtts.api.native.protocol import unpack_frame
+from rtts.core.scheduler import SchedulerConfig
 from rtts.engines.fake import FakeEngine
 from rtts.errors import CLOSE_GOING_AWAY, CLOSE_MESSAGE_TOO_BIG, CLOSE_POLICY_VIOLATION
-from rtts.protocol import unpack_frame
-from rtts.scheduler import SchedulerConfig
 from rtts.server import bound_port
 
 

@@ -1,7 +1,6 @@
 import pytest
 
-from rtts.errors import ErrorCode, ProtocolError
-from rtts.protocol import (
+from rtts.api.native.protocol import (
     CancelMessage,
     EndMessage,
     FlushMessage,
@@ -9,7 +8,7 @@ from rtts.protocol import (
     SynthParams,
     TextMessage,
 )
-from rtts.session import (
+from rtts.api.native.session import (
     CancelContext,
     SendEvent,
     Session,
@@ -17,6 +16,7 @@ from rtts.session import (
     StartContext,
     Synthesize,
 )
+from rtts.errors import ErrorCode, ProtocolError
 
 
 def start(cid="a", **kw):

@@ -11,8 +11,8 @@ import os
 import psutil
 
 from helpers import base_config, server
-from rtts.bench import soak_session
-from rtts.cache import CacheConfig
+from rtts.bench.main import soak_session
+from rtts.core.cache import CacheConfig
 from rtts.engines.fake import FakeEngine
 
 SESSIONS = int(os.environ.get("RTTS_SOAK_SESSIONS", "2500"))

@@ -1,4 +1,4 @@
-"""Named voices: the registry (rtts.voices), its HTTP endpoints (rtts.api.voices), resolution
+"""Named voices: the registry (rtts.core.voices), its HTTP endpoints (rtts.api.voices), resolution
 on every protocol, and two instances sharing one voices directory."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from helpers import base_config, client, server
-from rtts.auth import AuthConfig
-from rtts.protocol import SynthParams
+from rtts.api.auth import AuthConfig
+from rtts.api.native.protocol import SynthParams
+from rtts.core.voices import BUILTIN_VOICES, Voice, VoiceError, VoiceStore, default_voices_dir
 from rtts.server import bound_port
-from rtts.voices import BUILTIN_VOICES, Voice, VoiceError, VoiceStore, default_voices_dir
 
 b14 = pytest.importorskip("pybase16384")
 
@@ -397,7 +397,7 @@ def test_chattts_two_instances_identical_speaker_and_audio(tiny_checkpoint: Path
 
     from rtts.config import EngineConfig
     from rtts.engines.base import SynthRequest
-    from rtts.engines.chattts_engine import ChatTTSEngine
+    from rtts.engines.chattts import ChatTTSEngine
 
     def engine() -> ChatTTSEngine:
         # one kernel path on both: the same arithmetic, so the same bytes
@@ -444,8 +444,8 @@ def test_chattts_two_instances_identical_speaker_and_audio(tiny_checkpoint: Path
 
 
 def test_cli_flag_and_openapi(tmp_path, monkeypatch):
-    from rtts.api.app import openapi_schema
-    from rtts.cli import build_parser, config_from_args
+    from rtts.api.http.app import openapi_schema
+    from rtts.cli.main import build_parser, config_from_args
     from rtts.core.service import Service
     from rtts.engines.fake import FakeEngine
 

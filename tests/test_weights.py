@@ -198,7 +198,7 @@ def test_probe_of_an_answering_hub_passes(monkeypatch):
 
 
 async def serve_and_report(cfg_engine: EngineConfig) -> tuple[dict, dict, str]:
-    from rtts.engines.chattts_engine import ChatTTSEngine
+    from rtts.engines.chattts import ChatTTSEngine
 
     cfg = replace(base_config(), engine=cfg_engine)
     async with server(cfg, ChatTTSEngine(cfg.engine)) as (app, url):

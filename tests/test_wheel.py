@@ -89,7 +89,7 @@ def test_wheel_ships_the_package_and_only_the_page_assets(wheel: Path) -> None:
         assert not n.startswith(("test/", "node_modules/")) and "package" not in n, n
         assert not any(part.startswith(".") for part in n.split("/")), n
     entry = zipfile.ZipFile(wheel).read("rtts-0.1.0.dist-info/entry_points.txt").decode()
-    assert "rtts = rtts.cli:main" in entry
+    assert "rtts = rtts.cli.main:main" in entry
 
 
 @pytest.fixture(scope="module")

@@ -177,8 +177,8 @@ async def test_connection_caps_apply_to_wyoming():
 
 
 def test_wyoming_without_auth_is_warned_about_when_keys_are_set():
-    from rtts.auth import AuthConfig
-    from rtts.cli import safety_warnings
+    from rtts.api.auth import AuthConfig
+    from rtts.cli.main import safety_warnings
 
     keyed = replace(base_config(), host="0.0.0.0", wyoming_port=10200,
                     auth=AuthConfig(api_keys=("k" * 20,), token_secret=b"s" * 32))

@@ -33,14 +33,14 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from ..auth import Authenticator, AuthError
-from ..core.service import Service
-from ..errors import CLOSE_TRY_AGAIN_LATER, ErrorCode
-from ..http import respond
+from rtts.api.auth import Authenticator, AuthError
+from rtts.api.handshake import respond
+from rtts.core.service import Service
+from rtts.errors import CLOSE_TRY_AGAIN_LATER, ErrorCode
 
 __all__ = ["ConnectionCounts", "Principal", "WsAdmission", "client_address", "refusal"]
 
-logger = logging.getLogger("rtts.auth")
+logger = logging.getLogger("rtts.api.auth")
 
 
 @dataclass(slots=True)

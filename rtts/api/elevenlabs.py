@@ -50,11 +50,16 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request as WsRequest
 from websockets.http11 import Response as WsResponse
 
-from ..auth import Authenticator, AuthError
-from ..codecs import Encoder, codec_for, open_encoder
-from ..core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
-from ..core.service import Service
-from ..errors import (
+from rtts.api.admission import Principal
+from rtts.api.auth import Authenticator, AuthError
+from rtts.api.handshake import respond
+from rtts.api.http.common import ApiError, HttpContext, authorize, b64, check_ready, read_body
+from rtts.api.native.protocol import SynthParams
+from rtts.api.openai import MAX_INPUT_CHARS, chattts_speed, resolve_voice
+from rtts.audio.codecs import Encoder, codec_for, open_encoder
+from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
+from rtts.core.service import Service
+from rtts.errors import (
     CLOSE_GOING_AWAY,
     CLOSE_NORMAL,
     CLOSE_POLICY_VIOLATION,
@@ -63,16 +68,11 @@ from ..errors import (
     ProtocolError,
     RttsError,
 )
-from ..http import respond
-from ..protocol import SynthParams
-from ..segmenter import DEFAULT_SCHEDULE
-from ..text.timings import CharTimings, estimate
-from .admission import Principal
-from .common import ApiError, HttpContext, authorize, b64, check_ready, read_body
-from .openai import MAX_INPUT_CHARS, chattts_speed, resolve_voice
+from rtts.text.segmenter import DEFAULT_SCHEDULE
+from rtts.text.timings import CharTimings, estimate
 
 if TYPE_CHECKING:
-    from .native import NativeEndpoint
+    from rtts.api.native.connection import NativeEndpoint
 
 __all__ = ["PATH_PREFIX", "ClientMessage", "ElevenError", "ElevenLabsEndpoints",
            "OutputFormat", "parse_message", "parse_output_format", "resolve_voice_id",
@@ -121,7 +121,7 @@ class OutputFormat:
     """An ElevenLabs ``output_format`` as an rtts codec, rate and bit rate."""
 
     name: str
-    codec: str  # rtts.codecs name
+    codec: str  # rtts.audio.codecs name
     sample_rate: int
     bit_rate: int | None = None
 

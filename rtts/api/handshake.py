@@ -1,6 +1,6 @@
 """Plain HTTP responses of the WebSocket handshake (refusals on ``/v1/stream``).
 
-Everything else on the port is the ASGI app in :mod:`rtts.api.app`.
+Everything else on the port is the ASGI app in :mod:`rtts.api.http.app`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ body) and cut into segments on the way (:class:`rtts.jobs.model.JobSplitter`), w
 to Redis in batches; the job is queued once the upload is complete. Workers
 (:mod:`rtts.jobs.worker`) do the synthesis. The audio download concatenates the stored
 segments in order, reading each file in pieces, and follows a running job until its end
-(or the chapter's end). Every endpoint goes through :func:`~rtts.api.common.authorize`
+(or the chapter's end). Every endpoint goes through :func:`~rtts.api.http.common.authorize`
 (key, origin and per-key quota); a job is visible only to the key that made it.
 """
 
@@ -26,10 +26,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..auth import Authenticator
-from ..codecs import codec_for, output_rate
-from ..core.service import Service
-from ..jobs.model import (
+from rtts.api.auth import Authenticator
+from rtts.api.http.common import ApiError, authorize, check_ready, read_body, start_message
+from rtts.api.native.protocol import StartMessage
+from rtts.audio.codecs import codec_for, output_rate
+from rtts.core.service import Service
+from rtts.core.voices import NAME_RE
+from rtts.jobs.model import (
     JOB_FORMATS,
     JobSplitter,
     JobState,
@@ -38,10 +41,7 @@ from ..jobs.model import (
     parse_chapters,
     wav_header,
 )
-from ..jobs.store import JobRecord, JobStore
-from ..protocol import StartMessage
-from ..voices import NAME_RE
-from .common import ApiError, authorize, check_ready, read_body, start_message
+from rtts.jobs.store import JobRecord, JobStore
 
 __all__ = ["JOBS_OPENAPI", "JobEndpoints"]
 

@@ -5,7 +5,7 @@ close codes and send path stay exactly as measured), but its per-connection prot
 :class:`Sniffer`: it reads the request head, and only then picks the protocol that owns the
 connection for good. A request with ``Upgrade: websocket`` goes to a ``websockets``
 ``ServerConnection`` (the native ``/v1/stream``); anything else goes to uvicorn's HTTP/1.1
-protocol running the ASGI app (:mod:`rtts.api.app`): POST bodies, chunked streaming
+protocol running the ASGI app (:mod:`rtts.api.http.app`): POST bodies, chunked streaming
 responses, Server-Sent Events. Either protocol receives the bytes read so far, so the
 hand-over is invisible to the client.
 """
@@ -25,7 +25,7 @@ from websockets.asyncio.server import ServerConnection
 
 __all__ = ["HttpSide", "Sniffer", "sniffing_connection_factory"]
 
-logger = logging.getLogger("rtts.http")
+logger = logging.getLogger("rtts.api.handshake")
 
 MAX_HEAD_BYTES = 16 * 1024
 HEAD_TIMEOUT_S = 10.0

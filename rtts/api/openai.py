@@ -24,12 +24,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..auth import Authenticator
-from ..codecs import codec_for, open_encoder
-from ..core.service import Service
-from ..errors import ProtocolError
-from ..protocol import SynthParams
-from .common import ApiError, HttpContext, authorize, b64, check_ready, read_body, sse
+from rtts.api.auth import Authenticator
+from rtts.api.http.common import ApiError, HttpContext, authorize, b64, check_ready, read_body, sse
+from rtts.api.native.protocol import SynthParams
+from rtts.audio.codecs import codec_for, open_encoder
+from rtts.core.service import Service
+from rtts.errors import ProtocolError
 
 __all__ = ["MAX_INPUT_CHARS", "MODELS", "VOICES", "OpenAIEndpoints", "chattts_speed",
            "resolve_voice"]
@@ -63,7 +63,7 @@ def resolve_voice(voice: Any, service: Service) -> str:
     name = voice.strip().lower()
     if name in VOICES:
         return f"seed:{VOICES[name]}"
-    if service.voices.get(name) is not None:  # a named voice (rtts.voices): resolved later
+    if service.voices.get(name) is not None:  # a named voice (rtts.core.voices): resolved later
         return name
     if name.startswith("seed:") and name[5:].isdigit() and len(name) <= 15:
         return name

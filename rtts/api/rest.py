@@ -1,7 +1,7 @@
 """rtts's own REST endpoints: ``/v1/tts``, ``/v1/token``, ``/v1/info``, ``/v1/formats``.
 
 ``GET /v1/tts?text=...&voice=...&seed=...&sample_rate=...&format=wav`` streams the audio of
-``text`` (1-5000 characters) in any :mod:`rtts.codecs` format (``wav`` by default, with a
+``text`` (1-5000 characters) in any :mod:`rtts.audio.codecs` format (``wav`` by default, with a
 streaming header), through the same core context as every other protocol.
 """
 
@@ -16,11 +16,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..auth import Authenticator
-from ..codecs import CODECS, Codec, codec_for, open_encoder, output_rate
-from ..core.service import Service
-from ..protocol import StartMessage
-from .common import ApiError, HttpContext, authorize, check_ready, start_message
+from rtts.api.auth import Authenticator
+from rtts.api.http.common import ApiError, HttpContext, authorize, check_ready, start_message
+from rtts.api.native.protocol import StartMessage
+from rtts.audio.codecs import CODECS, Codec, codec_for, open_encoder, output_rate
+from rtts.core.service import Service
 
 __all__ = ["RestEndpoints"]
 

@@ -1,5 +1,5 @@
 """Named voices over HTTP: ``GET /v1/voices``, ``POST /v1/voices``, ``GET`` and
-``DELETE /v1/voices/{name}`` (the registry itself is :mod:`rtts.voices`).
+``DELETE /v1/voices/{name}`` (the registry itself is :mod:`rtts.core.voices`).
 
 ``POST`` takes ``{"name", "seed": N}`` or ``{"name", "speaker": "<ChatTTS speaker string>"}``
 and optional ``"params"`` (``temperature``, ``top_P``, ``top_K``, ``speed``, ``seed``,
@@ -17,12 +17,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..auth import Authenticator
-from ..core.service import Service
-from ..protocol import SynthParams
-from ..voices import VoiceError
-from .common import ApiError, authorize, read_body
-from .openai import VOICES as OPENAI_VOICES
+from rtts.api.auth import Authenticator
+from rtts.api.http.common import ApiError, authorize, read_body
+from rtts.api.native.protocol import SynthParams
+from rtts.api.openai import VOICES as OPENAI_VOICES
+from rtts.core.service import Service
+from rtts.core.voices import VoiceError
 
 __all__ = ["VOICES_OPENAPI", "VoiceEndpoints"]
 

@@ -40,15 +40,15 @@ from wyoming.tts import (
     SynthesizeStopped,
 )
 
-from .. import __version__
-from ..audio import float_to_pcm16
-from ..core.context import Audio, Done, SegmentFailed, SpeechContext
-from ..core.service import Service
-from ..errors import RttsError
-from ..protocol import SynthParams
-from .admission import ConnectionCounts
-from .common import ApiError
-from .openai import VOICES, resolve_voice
+from rtts import __version__
+from rtts.api.admission import ConnectionCounts
+from rtts.api.http.common import ApiError
+from rtts.api.native.protocol import SynthParams
+from rtts.api.openai import VOICES, resolve_voice
+from rtts.audio.pcm import float_to_pcm16
+from rtts.core.context import Audio, Done, SegmentFailed, SpeechContext
+from rtts.core.service import Service
+from rtts.errors import RttsError
 
 __all__ = ["MAX_HEADER_BYTES", "WyomingListener", "parse_header"]
 

@@ -33,7 +33,7 @@ from typing import Any, Final, Protocol, cast
 import numpy as np
 import numpy.typing as npt
 
-from .audio import StreamingResampler, float_to_pcm16
+from rtts.audio.pcm import StreamingResampler, float_to_pcm16
 
 __all__ = ["CODECS", "Codec", "Encoder", "codec_for", "open_encoder"]
 

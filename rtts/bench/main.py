@@ -183,18 +183,18 @@ async def run_load(url: str, streams: int, text: str,
 
 
 async def bench_chattts(args: argparse.Namespace) -> dict[str, Any]:
-    from .engines.chattts_engine import configure_threads_env
+    from rtts.engines.chattts import configure_threads_env
 
     configure_threads_env()  # the same for both servers: they share this process
     import torch
 
-    from .cache import CacheConfig
-    from .config import EngineConfig, ServerConfig
-    from .engines.base import SynthRequest
-    from .engines.chattts_engine import ChatTTSEngine, StockChatTTSEngine
-    from .protocol import SynthParams
-    from .scheduler import SchedulerConfig
-    from .server import bound_port, run_server
+    from rtts.api.native.protocol import SynthParams
+    from rtts.config import EngineConfig, ServerConfig
+    from rtts.core.cache import CacheConfig
+    from rtts.core.scheduler import SchedulerConfig
+    from rtts.engines.base import SynthRequest
+    from rtts.engines.chattts import ChatTTSEngine, StockChatTTSEngine
+    from rtts.server import bound_port, run_server
 
     torch.set_num_threads(args.threads)
     ecfg = EngineConfig(source="custom", model_dir=args.model_dir, device=args.device,
@@ -298,10 +298,10 @@ def realtime_row(results: list[TimedStream], wall_s: float, ttfa_limit: float,
 
 
 async def bench_piper(args: argparse.Namespace) -> dict[str, Any]:
-    from .cache import CacheConfig
-    from .config import EngineConfig, ServerConfig
-    from .scheduler import SchedulerConfig
-    from .server import bound_port, run_server
+    from rtts.config import EngineConfig, ServerConfig
+    from rtts.core.cache import CacheConfig
+    from rtts.core.scheduler import SchedulerConfig
+    from rtts.server import bound_port, run_server
 
     counts = sorted({int(n) for n in args.streams.split(",")})
     # as `rtts serve`: no pacing (the bench measures how fast audio can arrive), no cache
@@ -314,7 +314,7 @@ async def bench_piper(args: argparse.Namespace) -> dict[str, Any]:
             name="piper", voice_models=(args.voice_model,), piper_workers=args.workers),
             scheduler=SchedulerConfig(request_timeout_s=3600, max_queue=4096)))]
     if args.model_dir is not None:
-        from .engines.chattts_engine import configure_threads_env
+        from rtts.engines.chattts import configure_threads_env
 
         configure_threads_env()
         setups.append(("chattts", replace(base, engine=EngineConfig(
@@ -409,16 +409,16 @@ async def bench_staggered(args: argparse.Namespace) -> dict[str, Any]:
     a short paragraph, against two rtts servers in this process that differ only in
     batching: static (a batch runs to its end; today's behaviour before continuous
     batching) and continuous (arrivals join at the next step)."""
-    from .engines.chattts_engine import configure_threads_env
+    from rtts.engines.chattts import configure_threads_env
 
     configure_threads_env()
     import torch
 
-    from .cache import CacheConfig
-    from .config import EngineConfig, ServerConfig
-    from .engines.chattts_engine import ChatTTSEngine
-    from .scheduler import SchedulerConfig
-    from .server import bound_port, run_server
+    from rtts.config import EngineConfig, ServerConfig
+    from rtts.core.cache import CacheConfig
+    from rtts.core.scheduler import SchedulerConfig
+    from rtts.engines.chattts import ChatTTSEngine
+    from rtts.server import bound_port, run_server
 
     torch.set_num_threads(args.threads)
     ecfg = EngineConfig(source="custom", model_dir=args.model_dir, device=args.device,
@@ -472,8 +472,8 @@ def _step_ms(engine: Any, rows: int, steps: int) -> float:
     prompts, the installed kernels)."""
     import torch
 
-    from .engines.base import SynthRequest
-    from .protocol import SynthParams
+    from rtts.api.native.protocol import SynthParams
+    from rtts.engines.base import SynthRequest
 
     gpt = engine.batch(rows)
     reqs = [SynthRequest(f"{BENCH_TEXT}, {i}.", SynthParams(seed=i), max_new_token=steps + 8)
@@ -501,8 +501,8 @@ def _forced_logits(engine: Any, codes: Any | None, tokens: int) -> tuple[Any, An
     the drawn ones (teacher forcing). Returns (logits (tokens, vq, V), codes)."""
     import torch
 
-    from .engines.base import SynthRequest
-    from .protocol import SynthParams
+    from rtts.api.native.protocol import SynthParams
+    from rtts.engines.base import SynthRequest
 
     chat = engine.chat
     gpt = engine.batch(1)
@@ -522,13 +522,13 @@ def _forced_logits(engine: Any, codes: Any | None, tokens: int) -> tuple[Any, An
 
 
 async def bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
-    from .engines.chattts_engine import configure_threads_env
+    from rtts.engines.chattts import configure_threads_env
 
     configure_threads_env()
     import torch
 
-    from .config import EngineConfig
-    from .engines.chattts_engine import ChatTTSEngine
+    from rtts.config import EngineConfig
+    from rtts.engines.chattts import ChatTTSEngine
 
     torch.set_num_threads(args.threads)
     cpu = _cpu_model()
@@ -702,16 +702,16 @@ def _redis_server(workdir: Path) -> Any:
 async def bench_jobs(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
-    from .cache import CacheConfig
-    from .config import EngineConfig, ServerConfig
-    from .engines.fake import FakeEngine
-    from .jobs.model import JobsConfig
-    from .scheduler import SchedulerConfig
-    from .server import bound_port, run_server
+    from rtts.config import EngineConfig, ServerConfig
+    from rtts.core.cache import CacheConfig
+    from rtts.core.scheduler import SchedulerConfig
+    from rtts.engines.fake import FakeEngine
+    from rtts.jobs.model import JobsConfig
+    from rtts.server import bound_port, run_server
 
     engine: Any
     if args.model_dir is not None:
-        from .engines.chattts_engine import ChatTTSEngine, configure_threads_env
+        from rtts.engines.chattts import ChatTTSEngine, configure_threads_env
 
         configure_threads_env()
         engine = ChatTTSEngine(EngineConfig(

@@ -42,9 +42,9 @@ def report_weights() -> None:
     looks at directories: no network, nothing loaded."""
     import os
 
-    from .config import default_model_dir
-    from .engines.checkpoint import is_random_checkpoint
-    from .engines.weights import (
+    from rtts.config import default_model_dir
+    from rtts.engines.checkpoint import is_random_checkpoint
+    from rtts.engines.weights import (
         HF_REPO,
         has_assets,
         hf_cache_dir,

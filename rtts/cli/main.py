@@ -28,19 +28,19 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from . import __version__
-from .auth import AuthConfig
-from .cache import CacheConfig
-from .cliconf import Parser
-from .config import EngineConfig, ServerConfig
-from .governor import GovernorConfig
-from .jobs.model import JobsConfig, default_jobs_dir
-from .scheduler import SchedulerConfig
-from .session import SessionLimits
+from rtts import __version__
+from rtts.api.auth import AuthConfig
+from rtts.api.native.session import SessionLimits
+from rtts.cli.options import Parser
+from rtts.config import EngineConfig, ServerConfig
+from rtts.core.cache import CacheConfig
+from rtts.core.governor import GovernorConfig
+from rtts.core.scheduler import SchedulerConfig
+from rtts.jobs.model import JobsConfig, default_jobs_dir
 
 __all__ = ["ConfigError", "build_parser", "config_from_args", "main"]
 
-logger = logging.getLogger("rtts.cli")
+logger = logging.getLogger("rtts.cli.main")
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -52,7 +52,7 @@ class ConfigError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The whole command line. Every parser is a :class:`rtts.cliconf.Parser`: each option
+    """The whole command line. Every parser is a :class:`rtts.cli.options.Parser`: each option
     also reads an ``RTTS_*`` variable and ``--config FILE``, and ``--help`` shows both."""
     p = Parser(prog="rtts", description=__doc__)
     p.add_argument("--version", action="version", version=f"rtts {__version__}")
@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest != "help":
             w._add_action(action)
 
-    from .jobs.cli import add_job_parser
+    from rtts.jobs.cli import add_job_parser
 
     add_job_parser(sub)
 
@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--fix", action="store_true",
                    help="move aside torchaudio's CUDA-linked libraries when torch has no CUDA")
 
-    from .bench import add_parser
+    from rtts.bench.main import add_parser
 
     add_parser(sub)
     return p
@@ -386,7 +386,7 @@ def safety_warnings(config: ServerConfig) -> list[str]:
 
 
 async def serve_until_signalled(config: ServerConfig) -> int:
-    from .server import run_server
+    from rtts.server import run_server
 
     # The engine runs on worker threads that hold the GIL between torch ops; the event
     # loop gives the GIL up at every socket send. CPython's default 5 ms switch interval
@@ -442,11 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:  # a second Ctrl-C during the drain
             return 130
     if args.command == "job":
-        from .jobs.cli import run_job_command
+        from rtts.jobs.cli import run_job_command
 
         return run_job_command(args)
     if args.command == "model":
-        from .engines.checkpoint import make_random_checkpoint
+        from rtts.engines.checkpoint import make_random_checkpoint
 
         try:
             make_random_checkpoint(args.dir, args.size, args.seed)
@@ -457,11 +457,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"random {args.size} checkpoint written to {args.dir}")
         return 0
     if args.command == "bench":
-        from .bench import run_bench
+        from rtts.bench.main import run_bench
 
         return run_bench(args)
     if args.command == "doctor":
-        from .doctor import run_doctor
+        from rtts.cli.doctor import run_doctor
 
         return run_doctor(fix=args.fix)
     return 2  # pragma: no cover

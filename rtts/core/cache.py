@@ -31,12 +31,12 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from .protocol import SynthParams
+from rtts.api.native.protocol import SynthParams
 
 __all__ = ["CacheConfig", "CachedStream", "LruAudio", "PhraseCache", "cache_key", "decode_audio",
            "encode_audio", "normalize_text"]
 
-logger = logging.getLogger("rtts.cache")
+logger = logging.getLogger("rtts.core.cache")
 
 _FORMAT = 1  # bump when the key recipe or the stored encoding changes
 _HEADER = struct.Struct("<4sBI")  # magic, format, sample rate
@@ -254,7 +254,7 @@ def _redact(url: str) -> str:
 
 
 class CachedStream:
-    """A cache hit, shaped like :class:`rtts.scheduler.RequestStream` for the sender."""
+    """A cache hit, shaped like :class:`rtts.core.scheduler.RequestStream` for the sender."""
 
     cached = True
     ready = True  # the audio is all here

@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import RttsError
-from ..protocol import SynthParams
-from ..segmenter import DEFAULT_MAX_CHARS, DEFAULT_SCHEDULE, Chunk, Segmenter
-from ..text import SpokenText
-from ..text.timings import CharTimings, estimate
+from rtts.api.native.protocol import SynthParams
+from rtts.errors import RttsError
+from rtts.text import SpokenText
+from rtts.text.segmenter import DEFAULT_MAX_CHARS, DEFAULT_SCHEDULE, Chunk, Segmenter
+from rtts.text.timings import CharTimings, estimate
 
 if TYPE_CHECKING:
-    from .service import Service, Source
+    from rtts.core.service import Service, Source
 
 __all__ = ["Audio", "Done", "Event", "SegmentDone", "SegmentFailed", "SegmentStarted",
            "SpeechContext"]

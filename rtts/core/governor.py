@@ -23,7 +23,7 @@ from enum import IntEnum
 
 __all__ = ["Governor", "GovernorConfig", "Level", "LoadSignals"]
 
-logger = logging.getLogger("rtts.governor")
+logger = logging.getLogger("rtts.core.governor")
 
 
 class Level(IntEnum):

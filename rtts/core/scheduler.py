@@ -57,12 +57,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .engines.base import Engine, SynthRequest
-from .errors import EngineError, EngineTimeout, ErrorCode, Overloaded
+from rtts.engines.base import Engine, SynthRequest
+from rtts.errors import EngineError, EngineTimeout, ErrorCode, Overloaded
 
 __all__ = ["BACKGROUND", "Preempted", "RequestStream", "Scheduler", "SchedulerConfig"]
 
-logger = logging.getLogger("rtts.scheduler")
+logger = logging.getLogger("rtts.core.scheduler")
 
 BACKGROUND = 9  # SynthRequest.priority of a background (job) segment: see the docstring
 

@@ -28,17 +28,17 @@ import numpy as np
 import numpy.typing as npt
 import psutil
 
-from .. import __version__
-from ..cache import CachedStream, PhraseCache
-from ..config import ServerConfig
-from ..engines import build_engines
-from ..engines.base import Engine, SynthRequest
-from ..errors import ErrorCode, ProtocolError, RttsError
-from ..governor import Governor, GovernorConfig, Level, LoadSignals
-from ..protocol import SynthParams
-from ..scheduler import BACKGROUND, RequestStream, Scheduler, SchedulerConfig
-from ..voices import Voice, VoiceStore
-from .context import SpeechContext
+from rtts import __version__
+from rtts.api.native.protocol import SynthParams
+from rtts.config import ServerConfig
+from rtts.core.cache import CachedStream, PhraseCache
+from rtts.core.context import SpeechContext
+from rtts.core.governor import Governor, GovernorConfig, Level, LoadSignals
+from rtts.core.scheduler import BACKGROUND, RequestStream, Scheduler, SchedulerConfig
+from rtts.core.voices import Voice, VoiceStore
+from rtts.engines import build_engines
+from rtts.engines.base import Engine, SynthRequest
+from rtts.errors import ErrorCode, ProtocolError, RttsError
 
 __all__ = ["SegmentRecorder", "Service", "Source", "Stats"]
 

@@ -41,14 +41,14 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from .errors import ProtocolError
-from .protocol import StartMessage, SynthParams, parse_client_message
+from rtts.api.native.protocol import StartMessage, SynthParams, parse_client_message
+from rtts.errors import ProtocolError
 
 __all__ = ["BUILTIN_VOICES", "NAME_RE", "PARAM_KEYS", "Voice", "VoiceError", "VoiceStore",
            "check_name", "check_speaker", "decode_speaker", "default_voices_dir",
            "parse_params"]
 
-logger = logging.getLogger("rtts.voices")
+logger = logging.getLogger("rtts.core.voices")
 
 NAME_RE: Final = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 # Stable built-in names -> the seed their speaker is drawn from (never change a mapping:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import Engine, SynthRequest
+from rtts.engines.base import Engine, SynthRequest
 
 if TYPE_CHECKING:
-    from ..config import EngineConfig
+    from rtts.config import EngineConfig
 
 __all__ = ["ENGINES", "Engine", "SynthRequest", "build_engine", "build_engines"]
 
@@ -16,15 +16,15 @@ ENGINES = ("chattts", "fake", "piper")
 
 def build_engine(config: EngineConfig) -> Engine:
     if config.name == "fake":
-        from .fake import FakeEngine
+        from rtts.engines.fake import FakeEngine
 
         return FakeEngine(rtf=config.fake_rtf, first_chunk_latency_ms=config.fake_first_chunk_ms)
     if config.name == "chattts":
-        from .chattts_engine import ChatTTSEngine
+        from rtts.engines.chattts import ChatTTSEngine
 
         return ChatTTSEngine(config)
     if config.name == "piper":
-        from .piper_engine import PiperEngine
+        from rtts.engines.piper import PiperEngine
 
         return PiperEngine(config.voice_models, workers=config.piper_workers)
     raise ValueError(f"unknown engine {config.name!r}; choose from {ENGINES}")
@@ -37,7 +37,7 @@ def build_engines(config: EngineConfig, primary: Engine | None = None) -> list[E
     first = primary or build_engine(config)
     engines = [first]
     if config.voice_models and first.name != "piper":
-        from .piper_engine import PiperEngine
+        from rtts.engines.piper import PiperEngine
 
         engines.append(PiperEngine(config.voice_models, sample_rate=first.sample_rate,
                                    workers=config.piper_workers))

@@ -39,11 +39,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..config import EngineConfig
-from ..protocol import SynthParams
-from . import kernels
-from .base import EngineOutput, SynthRequest, fixed_batch
-from .gpt_loop import BatchedGpt, GptRow, RowSpec
+from rtts.api.native.protocol import SynthParams
+from rtts.config import EngineConfig
+from rtts.engines import kernels
+from rtts.engines.base import EngineOutput, SynthRequest, fixed_batch
+from rtts.engines.gpt_loop import BatchedGpt, GptRow, RowSpec
 
 __all__ = ["ChatTTSEngine", "StockChatTTSEngine", "check_torchaudio", "configure_threads_env"]
 
@@ -149,8 +149,8 @@ class ChatTTSEngine:
     def _load_first(self, chat_class: Any, torch: Any) -> tuple[Any, Any]:
         """The first weights of :func:`rtts.engines.weights.candidates` that load (sha256
         checked by ChatTTS); a candidate that fails is logged and the next one tried."""
-        from .checkpoint import apply_overrides
-        from .weights import candidates, snapshot_sha256_map
+        from rtts.engines.checkpoint import apply_overrides
+        from rtts.engines.weights import candidates, snapshot_sha256_map
 
         cfg = self.config
         reasons = []

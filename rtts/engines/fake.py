@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from ..protocol import SynthParams
-from .base import EngineOutput, SynthRequest, fixed_batch
+from rtts.api.native.protocol import SynthParams
+from rtts.engines.base import EngineOutput, SynthRequest, fixed_batch
 
 __all__ = ["FakeEngine"]
 

@@ -14,7 +14,7 @@ the scheduler runs ``workers`` segments at once on its own thread pool, each ONN
 
 Output is float32 mono at ``sample_rate``: the model's own rate, or, beside another engine
 (a ChatTTS server that also serves piper voices), that engine's rate, converted with soxr
-(:class:`~rtts.audio.StreamingResampler`, exact lengths) so a service has one rate.
+(:class:`~rtts.audio.pcm.StreamingResampler`, exact lengths) so a service has one rate.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import Any, Final
 
 import orjson
 
-from ..audio import StreamingResampler
-from ..protocol import SynthParams
-from ..scheduler import SchedulerConfig
-from .base import EngineOutput, SynthRequest
+from rtts.api.native.protocol import SynthParams
+from rtts.audio.pcm import StreamingResampler
+from rtts.core.scheduler import SchedulerConfig
+from rtts.engines.base import EngineOutput, SynthRequest
 
 __all__ = ["VOICE_PREFIX", "PiperEngine", "length_scale", "noise_factor", "voice_name"]
 

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import default_home, default_model_dir
-from .checkpoint import _FILES as SHA256_KEYS
-from .checkpoint import is_random_checkpoint
+from rtts.config import default_home, default_model_dir
+from rtts.engines.checkpoint import _FILES as SHA256_KEYS
+from rtts.engines.checkpoint import is_random_checkpoint
 
 __all__ = ["ASSET_FILES", "HF_REPO", "Candidate", "HubUnavailable", "candidates", "download",
            "has_assets", "hf_cache_dir", "hf_cached_snapshot", "hub_endpoint",
@@ -191,7 +191,7 @@ def candidates(source: str, model_dir: Path | None) -> Iterator[Candidate]:
     """The directories to try, in order, for ``source`` (auto | custom | huggingface |
     random). Lazy: the hub is probed only when the earlier candidates are used up (or
     failed to load), and the random checkpoint is written only when reached."""
-    from .checkpoint import ensure_default_checkpoint
+    from rtts.engines.checkpoint import ensure_default_checkpoint
 
     if source == "random":
         yield Candidate(ensure_default_checkpoint(default_model_dir()), "random-default")

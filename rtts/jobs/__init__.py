@@ -8,6 +8,6 @@
   the scheduler's background priority, stores each one when complete.
 """
 
-from .model import JobsConfig, JobSplitter, JobState
+from rtts.jobs.model import JobsConfig, JobSplitter, JobState
 
 __all__ = ["JobSplitter", "JobState", "JobsConfig"]

@@ -1,6 +1,6 @@
 """The pure part of long-text jobs: configuration, splitting, states, progress. No I/O.
 
-A job's text is cut into segments by the live path's :class:`~rtts.segmenter.Segmenter`
+A job's text is cut into segments by the live path's :class:`~rtts.text.segmenter.Segmenter`
 (sentence ends first, at most ``segment_chars`` characters), fed piece by piece as the
 upload arrives, so nothing holds the whole text. Chapter marks are character offsets into
 the text: a segment never spans one (the segmenter is flushed at each mark), so every
@@ -18,7 +18,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Final
 
-from ..segmenter import Chunk, Segmenter
+from rtts.text.segmenter import Chunk, Segmenter
 
 __all__ = ["JOB_FORMATS", "Chapter", "JobState", "JobSplitter", "JobsConfig", "default_jobs_dir",
            "eta_seconds", "parse_chapters", "wav_header"]

@@ -41,7 +41,7 @@ from typing import Any
 
 import orjson
 
-from .model import Chapter, JobsConfig, JobState
+from rtts.jobs.model import Chapter, JobsConfig, JobState
 
 __all__ = ["JobRecord", "JobStore", "QueueEntry", "segment_ext"]
 

@@ -4,7 +4,7 @@ One per process (``rtts serve --jobs`` or ``rtts worker``), beside the live fron
 the same :class:`~rtts.core.service.Service`: its segments go through the one synthesis
 path (:meth:`Service.open_context` with ``background=True``), so the scheduler gives them
 only batch slots no live stream wants, and takes them back at the next step when one
-does (the segment fails with :class:`~rtts.scheduler.Preempted` and is run again).
+does (the segment fails with :class:`~rtts.core.scheduler.Preempted` and is run again).
 
 Memory stays flat whatever the job's length: at most ``concurrency`` segments are in
 flight, each one's audio is encoded as it arrives and written to its file when complete.
@@ -18,15 +18,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..codecs import open_encoder
-from ..core.context import Audio, SegmentFailed, SpeechContext
-from ..core.service import Service
-from ..errors import Overloaded, RttsError
-from ..protocol import SynthParams
-from ..scheduler import Preempted
-from ..segmenter import Chunk
-from .model import JobState
-from .store import JobRecord, JobStore, QueueEntry
+from rtts.api.native.protocol import SynthParams
+from rtts.audio.codecs import open_encoder
+from rtts.core.context import Audio, SegmentFailed, SpeechContext
+from rtts.core.scheduler import Preempted
+from rtts.core.service import Service
+from rtts.errors import Overloaded, RttsError
+from rtts.jobs.model import JobState
+from rtts.jobs.store import JobRecord, JobStore, QueueEntry
+from rtts.text.segmenter import Chunk
 
 __all__ = ["JobWorker", "WorkerStats"]
 

@@ -1,5 +1,5 @@
 """Text normalization: what ChatTTS should say for what was written. Pure, no I/O."""
 
-from .normalize import SpokenText, normalize, spoken_text
+from rtts.text.normalize import SpokenText, normalize, spoken_text
 
 __all__ = ["SpokenText", "normalize", "spoken_text"]

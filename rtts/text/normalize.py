@@ -15,7 +15,7 @@ libraries do not have (times, dates, money, units, phone numbers, ranges, symbol
 **Language.** A number is read in Chinese if the nearest letter before or after it, within
 its clause, is a CJK character; else in English if one is a Latin letter. A clause with no
 letters takes the language of the nearest letter before it in the text, else ``lang_hint``,
-else English. Clauses end at the marks where :mod:`rtts.segmenter` may cut, so a chunk
+else English. Clauses end at the marks where :mod:`rtts.text.segmenter` may cut, so a chunk
 normalizes exactly as it does inside the whole text; :class:`SpokenText` carries the
 "letter before it" across the chunks of one context.
 
@@ -309,7 +309,7 @@ _MASTER = re.compile("|".join(f"(?P<{name}>{pat})" for name, pat in _PATTERNS), 
 _FULLWIDTH = str.maketrans("０１２３４５６７８９", "0123456789")
 _TAG = re.compile(r"\[[A-Za-z_]\w*\]")
 
-# Where rtts.segmenter may cut: sentence ends, clause marks, "." before a space or the end.
+# Where rtts.text.segmenter may cut: sentence ends, clause marks, "." before a space or the end.
 _SEPARATORS = frozenset("。！？!?；;…\n，、：,:—－")
 _CLOSERS = frozenset("\"'”’」』）)]】》")
 

@@ -1,7 +1,7 @@
 """The HTTP app (ASGI, Starlette): routes, CORS, health/ready/metrics, static files, OpenAPI.
 
 Protocol front-ends each live in their own module and only call the core:
-:mod:`rtts.api.native` (``/v1/stream``, WebSocket), :mod:`rtts.api.rest` (``/v1/tts``,
+:mod:`rtts.api.native.connection` (``/v1/stream``, WebSocket), :mod:`rtts.api.rest` (``/v1/tts``,
 ``/v1/token``, ``/v1/info``, ``/v1/formats``) and :mod:`rtts.api.openai`
 (``/v1/audio/speech``, ``/v1/models``, ``/v1/audio/models``, ``/v1/audio/voices``) and
 :mod:`rtts.api.elevenlabs` (``/v1/text-to-speech/{voice_id}…``).
@@ -22,21 +22,21 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from .. import __version__
-from ..auth import Authenticator
-from ..core.service import Service
-from ..jobs.store import JobStore
-from ..metrics import render_metrics
-from .common import ApiError, api_error_response
-from .elevenlabs import ElevenLabsEndpoints
-from .jobs import JOBS_OPENAPI, JobEndpoints
-from .openai import MAX_INPUT_CHARS, OPENAI_FORMATS, VOICES, OpenAIEndpoints
-from .rest import RestEndpoints
-from .voices import VOICES_OPENAPI, VoiceEndpoints
+from rtts import __version__
+from rtts.api.auth import Authenticator
+from rtts.api.elevenlabs import ElevenLabsEndpoints
+from rtts.api.http.common import ApiError, api_error_response
+from rtts.api.jobs import JOBS_OPENAPI, JobEndpoints
+from rtts.api.openai import MAX_INPUT_CHARS, OPENAI_FORMATS, VOICES, OpenAIEndpoints
+from rtts.api.rest import RestEndpoints
+from rtts.api.voices import VOICES_OPENAPI, VoiceEndpoints
+from rtts.core.service import Service
+from rtts.jobs.store import JobStore
+from rtts.metrics import render_metrics
 
 __all__ = ["build_http_app", "openapi_schema"]
 
-logger = logging.getLogger("rtts.http")
+logger = logging.getLogger("rtts.api.handshake")
 
 _NO_STORE = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
 

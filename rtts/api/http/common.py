@@ -17,12 +17,12 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..auth import Authenticator, AuthError
-from ..codecs import Encoder
-from ..core.context import Audio, Done, Event, SegmentFailed, SpeechContext
-from ..core.service import Service
-from ..errors import ErrorCode, ProtocolError, RttsError
-from ..protocol import StartMessage, parse_client_message
+from rtts.api.auth import Authenticator, AuthError
+from rtts.api.native.protocol import StartMessage, parse_client_message
+from rtts.audio.codecs import Encoder
+from rtts.core.context import Audio, Done, Event, SegmentFailed, SpeechContext
+from rtts.core.service import Service
+from rtts.errors import ErrorCode, ProtocolError, RttsError
 
 __all__ = ["ApiError", "HttpContext", "api_error_response", "auth_api_error", "authorize",
            "check_ready", "number_param", "start_message",

@@ -1,4 +1,4 @@
-"""The native protocol, version 1, on ``/v1/stream`` (see :mod:`rtts.protocol`).
+"""The native protocol, version 1, on ``/v1/stream`` (see :mod:`rtts.api.native.protocol`).
 
 Translates WebSocket messages to the core and the core's audio to binary frames. One
 :class:`Connection` per client runs three kinds of owned tasks: the reader (the handler),
@@ -10,7 +10,7 @@ latency low with thousands of connections (see the README's benchmark), so WebSo
 upgrades are handed to it by :mod:`rtts.api.listener` while plain HTTP goes to the ASGI app.
 
 Audio frames carry PCM16 by default; a context started with another ``format`` (see
-:mod:`rtts.codecs`) gets the encoder's bytes instead, in the same 12-byte-header frames:
+:mod:`rtts.audio.codecs`) gets the encoder's bytes instead, in the same 12-byte-header frames:
 each frame holds the bytes the encoder produced for that piece of audio (possibly none,
 then no frame), and a segment's last frame holds the encoder's tail. Every segment is a
 complete stream of that format (its own header, e.g. Ogg/WebM/WAV), so a client can
@@ -35,23 +35,11 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from ..audio import StreamingResampler, float_to_pcm16
-from ..auth import Authenticator
-from ..codecs import Encoder, open_encoder
-from ..core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
-from ..core.service import Service
-from ..errors import (
-    CLOSE_IDLE,
-    CLOSE_POLICY_VIOLATION,
-    CLOSE_SLOW_CLIENT,
-    CLOSE_TRY_AGAIN_LATER,
-    ErrorCode,
-    ProtocolError,
-)
-from ..governor import Level
-from ..http import respond
-from ..pacing import LeadPacer
-from ..protocol import (
+from rtts.api.admission import WsAdmission
+from rtts.api.auth import Authenticator
+from rtts.api.handshake import respond
+from rtts.api.native.pacing import LeadPacer
+from rtts.api.native.protocol import (
     SUPPORTED_FORMATS,
     CancelMessage,
     FrameHeader,
@@ -59,8 +47,7 @@ from ..protocol import (
     pack_frame,
     parse_client_message,
 )
-from ..segmenter import Chunk
-from ..session import (
+from rtts.api.native.session import (
     Action,
     CancelContext,
     ContextState,
@@ -70,7 +57,20 @@ from ..session import (
     StartContext,
     Synthesize,
 )
-from .admission import WsAdmission
+from rtts.audio.codecs import Encoder, open_encoder
+from rtts.audio.pcm import StreamingResampler, float_to_pcm16
+from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
+from rtts.core.governor import Level
+from rtts.core.service import Service
+from rtts.errors import (
+    CLOSE_IDLE,
+    CLOSE_POLICY_VIOLATION,
+    CLOSE_SLOW_CLIENT,
+    CLOSE_TRY_AGAIN_LATER,
+    ErrorCode,
+    ProtocolError,
+)
+from rtts.text.segmenter import Chunk
 
 __all__ = ["Connection", "ContextPipeline", "NativeEndpoint"]
 

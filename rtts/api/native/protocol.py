@@ -13,7 +13,7 @@ Client -> server messages are JSON objects in text frames, each with a ``type``:
 ``end``     ``context_id``: no more text; the server finishes the audio and sends ``done``
 ``playback`` ``context_id``, ``played_ms`` (how much of the context's audio the client has
             really played, in ms of that audio), optional ``buffered_ms``: what the
-            server paces on instead of its wall-clock estimate (see :mod:`rtts.pacing`)
+            server paces on instead of its wall-clock estimate (see :mod:`rtts.api.native.pacing`)
 
 ``start`` also takes ``timings`` (bool): ``segment_done`` then carries estimated character
 timings (``chars``, ``char_start_ms``, ``char_duration_ms``, ms in the context's audio).
@@ -23,7 +23,7 @@ timings (``chars``, ``char_start_ms``, ``char_duration_ms``, ms in the context's
 Server -> client: JSON events (``ready``, ``segment_started``, ``segment_done``, ``flushed``,
 ``done``, ``cancelled``, ``error``) and binary audio frames: a 12-byte little-endian
 header followed by PCM16 mono samples at the context's ``sample_rate`` (or, for a context
-started with another ``format``, the encoder's bytes: see :mod:`rtts.api.native`)::
+started with another ``format``, the encoder's bytes: see :mod:`rtts.api.native.connection`)::
 
     u8 version (=1) | u8 flags (0) | u16 stream | u32 segment | u32 sequence | PCM16 LE ...
 
@@ -42,7 +42,7 @@ from typing import Any, Final
 
 import orjson
 
-from .errors import ErrorCode, ProtocolError
+from rtts.errors import ErrorCode, ProtocolError
 
 __all__ = [
     "DEFAULT_CONTEXT",
@@ -69,7 +69,7 @@ __all__ = [
 PROTOCOL_VERSION: Final = 1
 DEFAULT_CONTEXT: Final = "default"
 SUPPORTED_SAMPLE_RATES: Final = (8000, 16000, 22050, 24000, 44100, 48000)
-# Audio formats of binary frames (rtts.codecs encodes them); some have their own rate.
+# Audio formats of binary frames (rtts.audio.codecs encodes them); some have their own rate.
 SUPPORTED_FORMATS: Final = ("pcm16", "mulaw", "alaw", "wav", "mp3", "opus", "webm", "aac",
                             "flac")
 FORMAT_RATES: Final[dict[str, tuple[int, ...]]] = {

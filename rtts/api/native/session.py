@@ -24,8 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ErrorCode, ProtocolError
-from .protocol import (
+from rtts.api.native.protocol import (
     PROTOCOL_VERSION,
     CancelMessage,
     ClientMessage,
@@ -36,9 +35,10 @@ from .protocol import (
     SynthParams,
     TextMessage,
 )
-from .segmenter import DEFAULT_MAX_CHARS, DEFAULT_SCHEDULE, Chunk, Segmenter
-from .text import SpokenText
-from .text.timings import CharTimings
+from rtts.errors import ErrorCode, ProtocolError
+from rtts.text import SpokenText
+from rtts.text.segmenter import DEFAULT_MAX_CHARS, DEFAULT_SCHEDULE, Chunk, Segmenter
+from rtts.text.timings import CharTimings
 
 __all__ = [
     "CancelContext",
@@ -145,7 +145,7 @@ class ContextState:
     serial: int = 0  # counts contexts on the connection; never wraps (unlike ``stream``)
     last_text_at: float = 0.0
     cache: bool = True
-    format: str = "pcm16"  # of the binary frames (see rtts.codecs)
+    format: str = "pcm16"  # of the binary frames (see rtts.audio.codecs)
     flush_marks: list[int] = field(default_factory=list)  # segment counts awaited by flushes
     normalize: bool = True
     # chunk text -> spoken text, in order (it carries the language of the text so far)

@@ -1,0 +1,1 @@
+"""``rtts bench``: the benchmarks, run against a real server over real sockets."""

@@ -6,7 +6,8 @@ Error tree::
     +-- ProtocolError       the client sent something we cannot act on (error event)
     +-- Overloaded          no capacity now; retry later (error event, or 1013/503)
     +-- EngineError         one synthesis request failed (error event for that context)
-        +-- EngineTimeout   one request exceeded its deadline
+    |   +-- EngineTimeout   one request exceeded its deadline
+    +-- InternalError       a server bug ended one context (error event, incident id logged)
 
 Close codes used by the server (all documented in the README):
 
@@ -38,11 +39,14 @@ __all__ = [
     "EngineError",
     "EngineTimeout",
     "ErrorCode",
+    "InternalError",
     "Overloaded",
     "ProtocolError",
     "RttsError",
 ]
 
+import logging
+import secrets
 from enum import StrEnum
 
 CLOSE_NORMAL = 1000
@@ -73,6 +77,7 @@ class ErrorCode(StrEnum):
     TIMEOUT = "timeout"
     SHUTTING_DOWN = "shutting_down"
     RATE_LIMITED = "rate_limited"  # a message kind sent faster than its documented rate
+    INTERNAL_ERROR = "internal_error"  # a server bug ended one context; the log has the id
 
 
 class RttsError(Exception):
@@ -107,3 +112,17 @@ class EngineTimeout(EngineError):
     """A synthesis request ran past its deadline and was cancelled."""
 
     code = ErrorCode.TIMEOUT
+
+
+class InternalError(RttsError):
+    """A bug in rtts (an encoder, a pacer, a front-end) ended one context. The client gets
+    this protocol's error with an incident id; the traceback is logged under that id."""
+
+    code = ErrorCode.INTERNAL_ERROR
+
+    @classmethod
+    def incident(cls, logger: logging.Logger, what: str, exc: BaseException) -> InternalError:
+        """Log ``exc`` with a fresh incident id and return the error clients are told."""
+        incident = secrets.token_hex(4)
+        logger.error("%s failed (incident %s)", what, incident, exc_info=exc)
+        return cls(f"{what} failed (incident {incident})")

@@ -56,6 +56,7 @@ from rtts.api.handshake import respond
 from rtts.api.http.common import ApiError, HttpContext, authorize, b64, check_ready, read_body
 from rtts.api.native.protocol import SynthParams
 from rtts.api.openai import MAX_INPUT_CHARS, chattts_speed, resolve_voice
+from rtts.api.tasks import OwnedTasks
 from rtts.audio.codecs import Encoder, codec_for, open_encoder
 from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
 from rtts.core.service import Service
@@ -65,6 +66,7 @@ from rtts.errors import (
     CLOSE_POLICY_VIOLATION,
     CLOSE_TRY_AGAIN_LATER,
     ErrorCode,
+    InternalError,
     ProtocolError,
     RttsError,
 )
@@ -415,7 +417,7 @@ class _Socket:
         self.inactivity_s = DEFAULT_INACTIVITY_S
         self._closing = False
         self._input_ended = False
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = OwnedTasks()
 
     # -- lifecycle
 
@@ -430,10 +432,7 @@ class _Socket:
         finally:
             for ctx in self.contexts.values():
                 ctx.speech.close()
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            self._tasks.clear()
+            await self._tasks.cancel_all()
             self.contexts.clear()
 
     def _configure(self) -> None:
@@ -550,10 +549,7 @@ class _Socket:
         service.validate_params(params)
         ctx = _Context(self, cid, params, chunk_schedule(msg.generation_config, self.auto_mode))
         self.contexts[cid] = ctx
-        task = asyncio.create_task(self._run_context(ctx), name=f"rtts-elevenlabs-{cid}")
-        ctx.task = task
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        ctx.task = self._tasks.spawn(self._run_context(ctx), f"rtts-elevenlabs-{cid}")
         return ctx
 
     async def _run_context(self, ctx: _Context) -> None:
@@ -561,10 +557,10 @@ class _Socket:
             await ctx.run()
         except ConnectionClosed:
             pass
-        except Exception:
-            logger.exception("elevenlabs context %s failed", ctx.cid)
+        except Exception as exc:
+            error = InternalError.incident(logger, f"elevenlabs context {ctx.cid!r}", exc)
             with contextlib.suppress(ConnectionClosed):
-                await self.fail(ElevenError("internal error", "internal_error", close=1011))
+                await self.fail(ElevenError(error.message, "internal_error", close=1011))
         finally:
             self.endpoint.service.activity.set()
 
@@ -572,9 +568,7 @@ class _Socket:
         if self.contexts.get(ctx.cid) is ctx:
             del self.contexts[ctx.cid]
         if not self.multi:
-            task = asyncio.create_task(self.close(CLOSE_NORMAL), name="rtts-elevenlabs-close")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks.spawn(self.close(CLOSE_NORMAL), "rtts-elevenlabs-close")
 
 
 class ElevenLabsEndpoints:

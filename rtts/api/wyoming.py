@@ -45,10 +45,11 @@ from rtts.api.admission import ConnectionCounts
 from rtts.api.http.common import ApiError
 from rtts.api.native.protocol import SynthParams
 from rtts.api.openai import VOICES, resolve_voice
+from rtts.api.tasks import OwnedTasks
 from rtts.audio.pcm import float_to_pcm16
 from rtts.core.context import Audio, Done, SegmentFailed, SpeechContext
 from rtts.core.service import Service
-from rtts.errors import RttsError
+from rtts.errors import InternalError, RttsError
 
 __all__ = ["MAX_HEADER_BYTES", "WyomingListener", "parse_header"]
 
@@ -98,7 +99,12 @@ class _Connection:
         self.writer = writer
         self.streaming: SpeechContext | None = None  # between synthesize-start and -stop
         self.synthesis: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = OwnedTasks()
+
+    @property
+    def busy(self) -> bool:
+        """A synthesis is running on this connection."""
+        return bool(self._tasks)
 
     async def run(self) -> None:
         try:
@@ -115,19 +121,15 @@ class _Connection:
                         return
                 except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
                     raise
-                except Exception:
-                    logger.exception("wyoming: handling an event failed")
-                    await self.write(Error(text="internal error", code="internal_error")
-                                     .event())
+                except Exception as exc:
+                    error = InternalError.incident(logger, "wyoming event", exc)
+                    await self.write(Error(text=error.message, code=str(error.code)).event())
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
             pass
         finally:
             if self.streaming is not None:
                 self.streaming.cancel()
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            self._tasks.clear()
+            await self._tasks.cancel_all()
             self.writer.close()
             with contextlib.suppress(Exception):
                 await self.writer.wait_closed()
@@ -233,10 +235,7 @@ class _Connection:
         ctx.feed(text)
 
     def _run(self, ctx: SpeechContext, streaming: bool) -> None:
-        task = asyncio.create_task(self._synthesize(ctx, streaming), name="rtts-wyoming-synth")
-        self.synthesis = task
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.synthesis = self._tasks.spawn(self._synthesize(ctx, streaming), "rtts-wyoming-synth")
 
     async def _synthesize(self, ctx: SpeechContext, streaming: bool) -> None:
         rate = ctx.sample_rate
@@ -262,6 +261,12 @@ class _Connection:
                         await self.write(SynthesizeStopped().event())
         except (ConnectionError, TimeoutError):
             ctx.cancel()
+        except Exception as exc:
+            # A bug ended this synthesis: say so (Wyoming's error event), never go silent.
+            ctx.cancel()
+            error = InternalError.incident(logger, "wyoming synthesis", exc)
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                await self.write(Error(text=error.message, code=str(error.code)).event())
         finally:
             ctx.close()
             await events.aclose()
@@ -294,7 +299,7 @@ class WyomingListener:
         self.host = host
         self.port = port
         self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = OwnedTasks()
         self.connections: set[_Connection] = set()
         self._counts = ConnectionCounts()  # open connections, by peer address
 
@@ -321,9 +326,7 @@ class WyomingListener:
         self._own(self._serve(_Connection(self, reader, writer), client))
 
     def _own(self, coro: Any) -> None:
-        task = asyncio.create_task(coro, name="rtts-wyoming-connection")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro, "rtts-wyoming-connection")
 
     @staticmethod
     async def _refuse(writer: asyncio.StreamWriter) -> None:
@@ -347,7 +350,7 @@ class WyomingListener:
             self.service.activity.set()
 
     def busy(self) -> int:
-        return sum(1 for c in self.connections if c._tasks)
+        return sum(1 for c in self.connections if c.busy)
 
     async def close_listener(self) -> None:
         """Stop accepting (graceful drain: running syntheses go on)."""
@@ -357,9 +360,7 @@ class WyomingListener:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.cancel_all()
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None

@@ -57,6 +57,7 @@ from rtts.api.native.session import (
     StartContext,
     Synthesize,
 )
+from rtts.api.tasks import OwnedTasks
 from rtts.audio.codecs import Encoder, open_encoder
 from rtts.audio.pcm import StreamingResampler, float_to_pcm16
 from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
@@ -68,13 +69,14 @@ from rtts.errors import (
     CLOSE_SLOW_CLIENT,
     CLOSE_TRY_AGAIN_LATER,
     ErrorCode,
+    InternalError,
     ProtocolError,
 )
 from rtts.text.segmenter import Chunk
 
 __all__ = ["Connection", "ContextPipeline", "NativeEndpoint"]
 
-logger = logging.getLogger("rtts.server")
+logger = logging.getLogger("rtts.api.native")
 
 
 class NativeEndpoint:
@@ -164,7 +166,7 @@ class Connection:
         # serials of cancelled contexts whose queued frames must not be sent; bounded: the
         # send queue is FIFO and shorter than this, so older ones have no frames left
         self.dead_serials: OrderedDict[int, None] = OrderedDict()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = OwnedTasks()
         self._timer_wakeup = asyncio.Event()
         self._closing = False
         self._close_task: asyncio.Task[None] | None = None
@@ -172,10 +174,7 @@ class Connection:
         self.last_activity = time.monotonic()  # last client message or open context
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
-        task: asyncio.Task[None] = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self._tasks.spawn(coro, name)
 
     async def run(self) -> None:
         self._writer_task = self._spawn(self._writer(), "rtts-writer")
@@ -197,14 +196,9 @@ class Connection:
             if self._close_task is not None:
                 # Let our own close (behind queued events, or 4008) reach the client.
                 await asyncio.wait({self._close_task}, timeout=self.cfg.close_timeout_s + 1)
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            # A cancelled task keeps its CancelledError, whose traceback holds the frames
-            # that hold ``self``: drop our references to the tasks so the connection is
-            # freed by reference counting, not left to a full garbage collection.
+            await self._tasks.cancel_all()
+            # Drop our references to the tasks too (see rtts.api.tasks).
             self._writer_task = self._close_task = None
-            self._tasks.clear()
             self.pipelines.clear()
 
     async def close(self, code: int, reason: str) -> None:
@@ -369,9 +363,20 @@ class Connection:
         if self.pipelines.get(cid) is pipeline:
             del self.pipelines[cid]
         self.app.activity.set()
-        if not task.cancelled() and (exc := task.exception()) is not None and not isinstance(
+        if task.cancelled() or (exc := task.exception()) is None or isinstance(
                 exc, ConnectionClosed):
-            logger.error("context %s pipeline failed", cid, exc_info=exc)
+            return
+        # A bug ended this context's pipeline: the client must hear about it (an error for
+        # the context, which is then closed), not wait for audio or a ``done`` forever.
+        error = InternalError.incident(logger, f"context {cid!r}", exc)
+        ctx = self.session.contexts.get(cid)
+        if ctx is not None:
+            self.dead_serials[ctx.serial] = None
+            if len(self.dead_serials) > _DEAD_SERIALS_KEPT:
+                self.dead_serials.popitem(last=False)
+        actions = self.session.context_failed(cid, error)
+        if actions and not self._closing:
+            self._spawn(self._apply(actions), "rtts-context-failed")
 
     async def _idle_watch(self, timeout_s: float) -> None:
         """Close (4000, behind anything queued) a connection that has had no open context

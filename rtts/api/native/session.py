@@ -402,6 +402,16 @@ class Session:
         ctx.spoken.pop(index, None)
         return [self.error(exc, context_id, segment=index), *self._check_marks(ctx)]
 
+    def context_failed(self, context_id: str, exc: Exception) -> list[Action]:
+        """The server could not go on with this context (a bug in its pipeline): forget it
+        and tell the client, once, with ``context_closed: true``. The connection and its
+        other contexts go on; the id can be started again."""
+        ctx = self.contexts.get(context_id)
+        if ctx is None:
+            return []
+        self._forget(ctx)
+        return [self.error(exc, context_id, context_closed=True)]
+
     def _check_marks(self, ctx: ContextState) -> list[Action]:
         actions: list[Action] = []
         while ctx.flush_marks and ctx.flush_marks[0] <= ctx.segments_done:

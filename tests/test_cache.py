@@ -9,7 +9,6 @@ import pytest
 
 from helpers import base_config, client, server
 from procs import free_port
-from rtts.api.native.protocol import SynthParams
 from rtts.core.cache import (
     CacheConfig,
     LruAudio,
@@ -20,6 +19,7 @@ from rtts.core.cache import (
     normalize_text,
 )
 from rtts.core.governor import Level
+from rtts.core.params import SynthParams
 from rtts.engines.fake import FakeEngine
 
 # -- pure ------------------------------------------------------------------------------

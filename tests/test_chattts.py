@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("ChatTTS")
 
 from helpers import base_config, client, server  # noqa: E402
-from rtts.api.native.protocol import SynthParams  # noqa: E402
 from rtts.config import EngineConfig  # noqa: E402
+from rtts.core.params import SynthParams  # noqa: E402
 from rtts.engines.base import SynthRequest  # noqa: E402
 from rtts.engines.chattts import ChatTTSEngine  # noqa: E402
 

@@ -7,8 +7,8 @@ import asyncio
 import numpy as np
 
 from helpers import base_config
-from rtts.api.native.protocol import SynthParams
 from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
+from rtts.core.params import SynthParams
 from rtts.core.service import Service
 from rtts.engines.fake import FakeEngine
 from rtts.text.segmenter import Chunk

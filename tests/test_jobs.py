@@ -27,8 +27,8 @@ import pytest
 from helpers import base_config, server
 from procs import free_port, start_rtts, wait_http
 from rtts.api.auth import AuthConfig
-from rtts.api.native.protocol import SynthParams
 from rtts.config import EngineConfig
+from rtts.core.params import SynthParams
 from rtts.core.scheduler import BACKGROUND, Preempted, Scheduler, SchedulerConfig
 from rtts.engines.base import SynthRequest
 from rtts.engines.fake import FakeEngine

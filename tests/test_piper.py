@@ -21,9 +21,9 @@ import pytest
 
 from helpers import base_config, client
 from procs import free_port, start_rtts
-from rtts.api.native.protocol import SynthParams
 from rtts.audio.pcm import resampled_length
 from rtts.config import EngineConfig
+from rtts.core.params import SynthParams
 from rtts.engines.base import SynthRequest
 from rtts.server import bound_port, run_server
 

@@ -18,12 +18,12 @@ from rtts.api.native.protocol import (
     EndMessage,
     PlaybackMessage,
     StartMessage,
-    SynthParams,
     TextMessage,
     parse_client_message,
     unpack_frame,
 )
 from rtts.api.native.session import Playback, SendEvent, Session
+from rtts.core.params import SynthParams
 from rtts.engines.fake import FakeEngine
 from rtts.errors import ErrorCode, ProtocolError
 from rtts.text.segmenter import Chunk

@@ -5,7 +5,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from rtts.api.native.protocol import SynthParams
+from rtts.core.params import SynthParams
 from rtts.core.scheduler import Scheduler, SchedulerConfig
 from rtts.engines.base import SynthRequest
 from rtts.engines.fake import FakeEngine

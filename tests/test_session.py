@@ -5,7 +5,6 @@ from rtts.api.native.protocol import (
     EndMessage,
     FlushMessage,
     StartMessage,
-    SynthParams,
     TextMessage,
 )
 from rtts.api.native.session import (
@@ -16,6 +15,7 @@ from rtts.api.native.session import (
     StartContext,
     Synthesize,
 )
+from rtts.core.params import SynthParams
 from rtts.errors import ErrorCode, ProtocolError
 
 

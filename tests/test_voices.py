@@ -19,7 +19,7 @@ import pytest
 
 from helpers import base_config, client, server
 from rtts.api.auth import AuthConfig
-from rtts.api.native.protocol import SynthParams
+from rtts.core.params import SynthParams
 from rtts.core.voices import BUILTIN_VOICES, Voice, VoiceError, VoiceStore, default_voices_dir
 from rtts.server import bound_port
 

@@ -54,11 +54,11 @@ from rtts.api.admission import Principal
 from rtts.api.auth import Authenticator, AuthError
 from rtts.api.handshake import respond
 from rtts.api.http.common import ApiError, HttpContext, authorize, b64, check_ready, read_body
-from rtts.api.native.protocol import SynthParams
 from rtts.api.openai import MAX_INPUT_CHARS, chattts_speed, resolve_voice
 from rtts.api.tasks import OwnedTasks
 from rtts.audio.codecs import Encoder, codec_for, open_encoder
 from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
+from rtts.core.params import SynthParams
 from rtts.core.service import Service
 from rtts.errors import (
     CLOSE_GOING_AWAY,

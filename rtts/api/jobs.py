@@ -27,9 +27,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from rtts.api.auth import Authenticator
-from rtts.api.http.common import ApiError, authorize, check_ready, read_body, start_message
-from rtts.api.native.protocol import StartMessage
+from rtts.api.http.common import ApiError, authorize, check_ready, read_body, speech_options
 from rtts.audio.codecs import codec_for, output_rate
+from rtts.core.params import SpeechOptions
 from rtts.core.service import Service
 from rtts.core.voices import NAME_RE
 from rtts.jobs.model import (
@@ -87,7 +87,7 @@ class JobEndpoints:
 
     # -- POST /v1/jobs -----------------------------------------------------------------
 
-    def _options(self, options: dict[str, Any]) -> tuple[StartMessage, str, list[Any]]:
+    def _options(self, options: dict[str, Any]) -> tuple[SpeechOptions, str, list[Any]]:
         fmt = str(options.get("format") or "mp3")
         codec = codec_for(fmt)
         if codec is None or codec.name not in JOB_FORMATS:
@@ -100,7 +100,7 @@ class JobEndpoints:
                 and self.service.voices.get(voice) is None:
             raise ApiError(404, f"no voice named {voice!r} (see GET /v1/voices)",
                            param="voice", code="unknown_voice")
-        msg = start_message(self.service, given, format="pcm16")
+        msg = speech_options(self.service, given)
         chapters = options.get("chapters") or []
         if isinstance(chapters, str):
             try:

@@ -26,8 +26,8 @@ from starlette.routing import Route
 
 from rtts.api.auth import Authenticator
 from rtts.api.http.common import ApiError, HttpContext, authorize, b64, check_ready, read_body, sse
-from rtts.api.native.protocol import SynthParams
 from rtts.audio.codecs import codec_for, open_encoder
+from rtts.core.params import SynthParams
 from rtts.core.service import Service
 from rtts.errors import ProtocolError
 

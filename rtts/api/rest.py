@@ -17,9 +17,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from rtts.api.auth import Authenticator
-from rtts.api.http.common import ApiError, HttpContext, authorize, check_ready, start_message
-from rtts.api.native.protocol import StartMessage
+from rtts.api.http.common import ApiError, HttpContext, authorize, check_ready, speech_options
 from rtts.audio.codecs import CODECS, Codec, codec_for, open_encoder, output_rate
+from rtts.core.params import SpeechOptions
 from rtts.core.service import Service
 
 __all__ = ["RestEndpoints"]
@@ -48,7 +48,7 @@ class RestEndpoints:
             {"id": c.name, "media_type": c.media_type, "sample_rate": c.fixed_rate}
             for c in CODECS.values()]})
 
-    def _parse_tts(self, request: Request) -> tuple[StartMessage, Codec, str]:
+    def _parse_tts(self, request: Request) -> tuple[SpeechOptions, Codec, str]:
         query = request.query_params
         text = query.get("text") or ""
         if not text.strip() or len(text) > MAX_TTS_CHARS:
@@ -57,7 +57,7 @@ class RestEndpoints:
         codec = codec_for(fmt)
         if codec is None:
             raise ApiError(400, f"format must be one of {', '.join(CODECS)}", param="format")
-        msg = start_message(self.service, query)
+        msg = speech_options(self.service, query)
         return msg, codec, text
 
     async def token(self, request: Request) -> Response:

@@ -19,8 +19,8 @@ from starlette.routing import Route
 
 from rtts.api.auth import Authenticator
 from rtts.api.http.common import ApiError, authorize, read_body
-from rtts.api.native.protocol import SynthParams
 from rtts.api.openai import VOICES as OPENAI_VOICES
+from rtts.core.params import SynthParams
 from rtts.core.service import Service
 from rtts.core.voices import VoiceError
 

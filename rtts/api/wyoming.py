@@ -43,11 +43,11 @@ from wyoming.tts import (
 from rtts import __version__
 from rtts.api.admission import ConnectionCounts
 from rtts.api.http.common import ApiError
-from rtts.api.native.protocol import SynthParams
 from rtts.api.openai import VOICES, resolve_voice
 from rtts.api.tasks import OwnedTasks
 from rtts.audio.pcm import float_to_pcm16
 from rtts.core.context import Audio, Done, SegmentFailed, SpeechContext
+from rtts.core.params import SynthParams
 from rtts.core.service import Service
 from rtts.errors import InternalError, RttsError
 

@@ -188,9 +188,9 @@ async def bench_chattts(args: argparse.Namespace) -> dict[str, Any]:
     configure_threads_env()  # the same for both servers: they share this process
     import torch
 
-    from rtts.api.native.protocol import SynthParams
     from rtts.config import EngineConfig, ServerConfig
     from rtts.core.cache import CacheConfig
+    from rtts.core.params import SynthParams
     from rtts.core.scheduler import SchedulerConfig
     from rtts.engines.base import SynthRequest
     from rtts.engines.chattts import ChatTTSEngine, StockChatTTSEngine
@@ -472,7 +472,7 @@ def _step_ms(engine: Any, rows: int, steps: int) -> float:
     prompts, the installed kernels)."""
     import torch
 
-    from rtts.api.native.protocol import SynthParams
+    from rtts.core.params import SynthParams
     from rtts.engines.base import SynthRequest
 
     gpt = engine.batch(rows)
@@ -501,7 +501,7 @@ def _forced_logits(engine: Any, codes: Any | None, tokens: int) -> tuple[Any, An
     the drawn ones (teacher forcing). Returns (logits (tokens, vq, V), codes)."""
     import torch
 
-    from rtts.api.native.protocol import SynthParams
+    from rtts.core.params import SynthParams
     from rtts.engines.base import SynthRequest
 
     chat = engine.chat

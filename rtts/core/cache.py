@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from rtts.api.native.protocol import SynthParams
+from rtts.core.params import SynthParams
 
 __all__ = ["CacheConfig", "CachedStream", "LruAudio", "PhraseCache", "cache_key", "decode_audio",
            "encode_audio", "normalize_text"]

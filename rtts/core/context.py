@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from rtts.api.native.protocol import SynthParams
+from rtts.core.params import SynthParams
 from rtts.errors import RttsError
 from rtts.text import SpokenText
 from rtts.text.segmenter import DEFAULT_MAX_CHARS, DEFAULT_SCHEDULE, Chunk, Segmenter

@@ -29,11 +29,11 @@ import numpy.typing as npt
 import psutil
 
 from rtts import __version__
-from rtts.api.native.protocol import SynthParams
 from rtts.config import ServerConfig
 from rtts.core.cache import CachedStream, PhraseCache
 from rtts.core.context import SpeechContext
 from rtts.core.governor import Governor, GovernorConfig, Level, LoadSignals
+from rtts.core.params import SynthParams
 from rtts.core.scheduler import BACKGROUND, RequestStream, Scheduler, SchedulerConfig
 from rtts.core.voices import Voice, VoiceStore
 from rtts.engines import build_engines

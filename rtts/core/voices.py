@@ -41,7 +41,8 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from rtts.api.native.protocol import StartMessage, SynthParams, parse_client_message
+from rtts.core.params import SynthParams
+from rtts.core.params import parse_params as parse_synth_params
 from rtts.errors import ProtocolError
 
 __all__ = ["BUILTIN_VOICES", "NAME_RE", "PARAM_KEYS", "Voice", "VoiceError", "VoiceStore",
@@ -141,11 +142,10 @@ def parse_params(obj: Any) -> dict[str, Any]:
         raise VoiceError(f"unknown params {', '.join(map(str, unknown))}; allowed: "
                          f"{', '.join(PARAM_KEYS)}", param="params")
     try:
-        msg = parse_client_message(orjson.dumps({"type": "start", **obj}))
+        params = parse_synth_params(obj)
     except ProtocolError as exc:
         raise VoiceError(f"params: {exc.message}", param="params") from None
-    assert isinstance(msg, StartMessage)
-    return {k: getattr(msg.params, k) for k in PARAM_KEYS if k in obj}
+    return {k: getattr(params, k) for k in PARAM_KEYS if k in obj}
 
 
 def decode_speaker(speaker: str) -> npt.NDArray[np.float32] | None:

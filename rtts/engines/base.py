@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from rtts.api.native.protocol import SynthParams
+from rtts.core.params import SynthParams
 
 __all__ = ["Engine", "EngineOutput", "Serve", "SynthRequest", "fixed_batch"]
 

@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from rtts.api.native.protocol import SynthParams
 from rtts.config import EngineConfig
+from rtts.core.params import SynthParams
 from rtts.engines import kernels
 from rtts.engines.base import EngineOutput, SynthRequest, fixed_batch
 from rtts.engines.gpt_loop import BatchedGpt, GptRow, RowSpec

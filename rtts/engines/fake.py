@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from rtts.api.native.protocol import SynthParams
+from rtts.core.params import SynthParams
 from rtts.engines.base import EngineOutput, SynthRequest, fixed_batch
 
 __all__ = ["FakeEngine"]

@@ -29,8 +29,8 @@ from typing import Any, Final
 
 import orjson
 
-from rtts.api.native.protocol import SynthParams
 from rtts.audio.pcm import StreamingResampler
+from rtts.core.params import SynthParams
 from rtts.core.scheduler import SchedulerConfig
 from rtts.engines.base import EngineOutput, SynthRequest
 

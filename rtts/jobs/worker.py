@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rtts.api.native.protocol import SynthParams
 from rtts.audio.codecs import open_encoder
 from rtts.core.context import Audio, SegmentFailed, SpeechContext
+from rtts.core.params import SynthParams
 from rtts.core.scheduler import Preempted
 from rtts.core.service import Service
 from rtts.errors import Overloaded, RttsError

@@ -18,14 +18,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from rtts.api.auth import Authenticator, AuthError
-from rtts.api.native.protocol import StartMessage, parse_client_message
 from rtts.audio.codecs import Encoder
 from rtts.core.context import Audio, Done, Event, SegmentFailed, SpeechContext
+from rtts.core.params import SpeechOptions, parse_options
 from rtts.core.service import Service
 from rtts.errors import ErrorCode, ProtocolError, RttsError
 
 __all__ = ["ApiError", "HttpContext", "api_error_response", "auth_api_error", "authorize",
-           "check_ready", "number_param", "start_message",
+           "check_ready", "number_param", "speech_options",
            "read_body"]
 
 
@@ -119,16 +119,16 @@ def number_param(name: str, value: object, *, integer: bool) -> int | float:
 
 
 # The synthesis parameters a request may carry as plain options (a query string, a JSON
-# object), by type; they become a native ``start`` message.
+# object), by type (:func:`speech_options`).
 START_OPTIONS: Final = {"voice": str, "seed": int, "temperature": float, "top_P": float,
                         "top_K": int, "speed": int, "sample_rate": int}
 
 
-def start_message(service: Service, options: Mapping[str, object],
-                  **fixed: object) -> StartMessage:
-    """A validated ``start`` message from the :data:`START_OPTIONS` present in ``options``
-    (and ``fixed`` fields), or a 400 naming what is wrong."""
-    start: dict[str, object] = {"type": "start", **fixed}
+def speech_options(service: Service, options: Mapping[str, object],
+                   **fixed: object) -> SpeechOptions:
+    """Validated :class:`~rtts.core.params.SpeechOptions` from the :data:`START_OPTIONS`
+    present in ``options`` (and ``fixed`` fields), or a 400 naming what is wrong."""
+    given: dict[str, object] = dict(fixed)
     for key, kind in START_OPTIONS.items():
         if key not in options:
             continue
@@ -136,16 +136,15 @@ def start_message(service: Service, options: Mapping[str, object],
         if kind is str:
             if not isinstance(value, str):
                 raise ApiError(400, f"{key} must be a string", param=key)
-            start[key] = value
+            given[key] = value
         else:
-            start[key] = number_param(key, value, integer=kind is int)
+            given[key] = number_param(key, value, integer=kind is int)
     try:
-        msg = parse_client_message(orjson.dumps(start))
-        assert isinstance(msg, StartMessage)
-        service.validate_params(msg.params)
+        parsed = parse_options(given)
+        service.validate_params(parsed.params)
     except ProtocolError as exc:
         raise ApiError(400, exc.message, code=str(exc.code)) from None
-    return msg
+    return parsed
 
 
 async def read_body(request: Request, limit: int) -> bytes:

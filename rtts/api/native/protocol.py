@@ -34,7 +34,6 @@ the segment.
 
 from __future__ import annotations
 
-import math
 import re
 import struct
 from dataclasses import dataclass, field
@@ -42,6 +41,13 @@ from typing import Any, Final
 
 import orjson
 
+from rtts.core.params import (
+    SAMPLE_RATES,
+    SynthParams,
+    bounded_integer,
+    bounded_number,
+    parse_params,
+)
 from rtts.errors import ErrorCode, ProtocolError
 
 __all__ = [
@@ -58,7 +64,6 @@ __all__ = [
     "FrameHeader",
     "PlaybackMessage",
     "StartMessage",
-    "SynthParams",
     "TextMessage",
     "encode_event",
     "pack_frame",
@@ -68,7 +73,7 @@ __all__ = [
 
 PROTOCOL_VERSION: Final = 1
 DEFAULT_CONTEXT: Final = "default"
-SUPPORTED_SAMPLE_RATES: Final = (8000, 16000, 22050, 24000, 44100, 48000)
+SUPPORTED_SAMPLE_RATES: Final = SAMPLE_RATES
 # Audio formats of binary frames (rtts.audio.codecs encodes them); some have their own rate.
 SUPPORTED_FORMATS: Final = ("pcm16", "mulaw", "alaw", "wav", "mp3", "opus", "webm", "aac",
                             "flac")
@@ -77,24 +82,6 @@ FORMAT_RATES: Final[dict[str, tuple[int, ...]]] = {
 FRAME_HEADER: Final = struct.Struct("<BBHII")
 
 _CONTEXT_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
-_MAX_VOICE_CHARS = 8192
-
-
-@dataclass(frozen=True, slots=True)
-class SynthParams:
-    """Voice and sampling settings of one context; hashable so equal settings batch together.
-
-    ``voice`` is a ChatTTS speaker embedding string (``Chat.sample_random_speaker()``),
-    ``"seed:N"`` for the speaker drawn from seed N, or ``None`` for the server default.
-    """
-
-    voice: str | None = None
-    seed: int | None = None
-    temperature: float = 0.3
-    top_P: float = 0.7  # noqa: N815 - ChatTTS's own spelling
-    top_K: int = 20  # noqa: N815
-    speed: int = 5
-    refine: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,50 +156,6 @@ def _context_id(obj: dict[str, Any]) -> str:
     return cid
 
 
-def _number(obj: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
-    value = obj.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise _bad(f"{key} must be a number")
-    if not lo <= value <= hi:
-        raise _bad(f"{key} must be between {lo} and {hi}")
-    return float(value)
-
-
-def _integer(obj: dict[str, Any], key: str, default: int | None, lo: int, hi: int) -> int | None:
-    value = obj.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"{key} must be an integer")
-    if not lo <= value <= hi:
-        raise _bad(f"{key} must be between {lo} and {hi}")
-    return value
-
-
-def _parse_params(obj: dict[str, Any]) -> SynthParams:
-    voice = obj.get("voice")
-    if voice is not None:
-        if not isinstance(voice, str) or not 0 < len(voice) <= _MAX_VOICE_CHARS:
-            raise _bad(f"voice must be a non-empty string of at most {_MAX_VOICE_CHARS} chars")
-        if voice.startswith("seed:"):
-            try:
-                int(voice[5:])
-            except ValueError:
-                raise _bad("voice 'seed:N' needs an integer N") from None
-    refine = obj.get("refine", False)
-    if not isinstance(refine, bool):
-        raise _bad("refine must be true or false")
-    return SynthParams(
-        voice=voice,
-        seed=_integer(obj, "seed", None, 0, 2**31 - 1),
-        temperature=_number(obj, "temperature", 0.3, 0.01, 2.0),
-        top_P=_number(obj, "top_P", 0.7, 0.01, 1.0),
-        top_K=int(_integer(obj, "top_K", 20, 1, 100) or 20),
-        speed=int(_integer(obj, "speed", 5, 0, 9) or 0),
-        refine=refine,
-    )
-
-
 def _parse_start(obj: dict[str, Any]) -> StartMessage:
     fmt = obj.get("format", "pcm16")
     if fmt not in SUPPORTED_FORMATS:
@@ -244,12 +187,12 @@ def _parse_start(obj: dict[str, Any]) -> StartMessage:
         raise _bad("timings must be true or false")
     return StartMessage(
         context_id=_context_id(obj),
-        params=_parse_params(obj),
+        params=parse_params(obj),
         format=fmt,
         sample_rate=int(rate),
         chunk_schedule=schedule,
-        max_chunk_chars=_integer(obj, "max_chunk_chars", None, 8, 1000),
-        idle_flush_ms=_integer(obj, "idle_flush_ms", None, 0, 60_000),
+        max_chunk_chars=bounded_integer(obj, "max_chunk_chars", None, 8, 1000),
+        idle_flush_ms=bounded_integer(obj, "idle_flush_ms", None, 0, 60_000),
         cache=cache,
         normalize=normalize,
         timings=timings,
@@ -259,10 +202,10 @@ def _parse_start(obj: dict[str, Any]) -> StartMessage:
 def _parse_playback(obj: dict[str, Any]) -> PlaybackMessage:
     if "played_ms" not in obj:
         raise _bad("playback needs played_ms", ErrorCode.INVALID_MESSAGE)
-    played = _number(obj, "played_ms", 0.0, 0.0, MAX_PLAYBACK_MS)
+    played = bounded_number(obj, "played_ms", 0.0, 0.0, MAX_PLAYBACK_MS)
     buffered = None
     if obj.get("buffered_ms") is not None:
-        buffered = _number(obj, "buffered_ms", 0.0, 0.0, MAX_PLAYBACK_MS)
+        buffered = bounded_number(obj, "buffered_ms", 0.0, 0.0, MAX_PLAYBACK_MS)
     return PlaybackMessage(_context_id(obj), played, buffered)
 
 

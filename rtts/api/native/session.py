@@ -32,9 +32,9 @@ from rtts.api.native.protocol import (
     FlushMessage,
     PlaybackMessage,
     StartMessage,
-    SynthParams,
     TextMessage,
 )
+from rtts.core.params import SynthParams
 from rtts.errors import ErrorCode, ProtocolError
 from rtts.text import SpokenText
 from rtts.text.segmenter import DEFAULT_MAX_CHARS, DEFAULT_SCHEDULE, Chunk, Segmenter

@@ -134,7 +134,8 @@ async def test_models_voices_and_voice_forms():
 
 
 async def test_voices_map_to_fixed_distinct_chattts_speakers():
-    from rtts.api.openai import VOICES, chattts_speed, resolve_voice
+    from rtts.api.openai import VOICES, resolve_voice
+    from rtts.core.voicenames import speed_from_factor as chattts_speed
 
     async with server() as (app, _):
         seeds = [resolve_voice(v, app) for v in VOICES]

@@ -54,12 +54,12 @@ from rtts.api.admission import Principal
 from rtts.api.auth import Authenticator, AuthError
 from rtts.api.handshake import respond
 from rtts.api.http.common import ApiError, HttpContext, authorize, b64, check_ready, read_body
-from rtts.api.openai import MAX_INPUT_CHARS, chattts_speed, resolve_voice
 from rtts.api.tasks import OwnedTasks
 from rtts.audio.codecs import Encoder, codec_for, open_encoder
 from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
 from rtts.core.params import SynthParams
 from rtts.core.service import Service
+from rtts.core.voicenames import resolve_voice, speed_from_factor
 from rtts.errors import (
     CLOSE_GOING_AWAY,
     CLOSE_NORMAL,
@@ -86,6 +86,8 @@ PATH_PREFIX: Final = "/v1/text-to-speech/"
 _SOCKET_PATH = re.compile(r"^/v1/text-to-speech/([^/]+)/(stream-input|multi-stream-input)$")
 # ElevenLabs voice ids are 20 characters of [A-Za-z0-9]; any such short id is accepted.
 _VOICE_ID = re.compile(r"^[A-Za-z0-9_\-.]{1,63}$")
+# The HTTP stream endpoints' text limit (as ElevenLabs' own: 40,960 characters).
+MAX_TEXT_CHARS: Final = 40_960
 _PCM_RATES: Final = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
 _MP3: Final = {(22050, 32), (24000, 48), (44100, 32), (44100, 64), (44100, 96),
                (44100, 128), (44100, 192)}
@@ -160,7 +162,7 @@ def resolve_voice_id(voice_id: str, service: Service) -> str:
     always sounds the same."""
     try:
         return resolve_voice(voice_id, service)
-    except ApiError as exc:
+    except ProtocolError as exc:
         if len(voice_id) >= 64 or not _VOICE_ID.match(voice_id):
             raise ElevenError(exc.message, "invalid_voice_id", status=400) from None
     return f"seed:{zlib.crc32(voice_id.encode()) % _VOICE_SEEDS}"
@@ -179,7 +181,7 @@ def speed_of(voice_settings: Any) -> int:
         return 5
     if isinstance(speed, bool) or not isinstance(speed, int | float) or not 0.25 <= speed <= 4:
         raise ElevenError("voice_settings.speed must be a number from 0.25 to 4.0")
-    return chattts_speed(float(speed))
+    return speed_from_factor(float(speed))
 
 
 def chunk_schedule(generation_config: Any, auto_mode: bool) -> tuple[int, ...]:
@@ -674,8 +676,8 @@ class ElevenLabsEndpoints:
             text = body.get("text")
             if not isinstance(text, str) or not text.strip():
                 raise ElevenError("text is required: a non-empty string")
-            if len(text) > MAX_INPUT_CHARS * 10:
-                raise ElevenError(f"text is longer than {MAX_INPUT_CHARS * 10} characters")
+            if len(text) > MAX_TEXT_CHARS:
+                raise ElevenError(f"text is longer than {MAX_TEXT_CHARS} characters")
             fmt = parse_output_format(request.query_params.get("output_format"))
             voice = resolve_voice_id(request.path_params["voice_id"], service)
             params = SynthParams(voice=voice, speed=speed_of(body.get("voice_settings")))

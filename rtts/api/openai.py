@@ -15,7 +15,6 @@ each later piece is encoded and sent as the engine makes it.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Final
 
 import orjson
@@ -29,53 +28,33 @@ from rtts.api.http.common import ApiError, HttpContext, authorize, b64, check_re
 from rtts.audio.codecs import codec_for, open_encoder
 from rtts.core.params import SynthParams
 from rtts.core.service import Service
+from rtts.core.voicenames import OPENAI_VOICES, speed_from_factor
+from rtts.core.voicenames import resolve_voice as resolve_core_voice
 from rtts.errors import ProtocolError
 
-__all__ = ["MAX_INPUT_CHARS", "MODELS", "VOICES", "OpenAIEndpoints", "chattts_speed",
-           "resolve_voice"]
+__all__ = ["MAX_INPUT_CHARS", "MODELS", "VOICES", "OpenAIEndpoints", "resolve_voice"]
 
 MAX_INPUT_CHARS: Final = 4096
 # Any model id is accepted (clients hard-code these); all of them are this server's engine.
 MODELS: Final = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "rtts")
-# OpenAI's voice names -> the ChatTTS speaker drawn from a fixed seed (``seed:N``).
-VOICES: Final[dict[str, int]] = {
-    "alloy": 2, "ash": 3, "ballad": 5, "coral": 7, "echo": 11, "fable": 13, "nova": 17,
-    "onyx": 19, "sage": 23, "shimmer": 29, "verse": 31, "marin": 37, "cedar": 41,
-}
+VOICES: Final = OPENAI_VOICES  # OpenAI's names (rtts.core.voicenames)
 OPENAI_FORMATS: Final = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 EXTRA_FORMATS: Final = ("mulaw", "alaw", "webm", "pcm16")
 PCM_RATE: Final = 24000
 
 
-def chattts_speed(speed: float) -> int:
-    """OpenAI's speed factor (0.25-4.0, 1.0 normal) -> ChatTTS speed 0-9 (5 normal),
-    two and a half steps per doubling."""
-    return max(0, min(9, round(5 + 2.5 * math.log2(speed))))
-
-
 def resolve_voice(voice: Any, service: Service) -> str:
-    """An OpenAI voice value -> the rtts ``voice`` string, or :class:`ApiError`."""
+    """An OpenAI voice value (a name or ``{"id": name}``) -> the rtts ``voice`` string, or
+    a 400 :class:`ApiError` (:func:`rtts.core.voicenames.resolve_voice`)."""
     if isinstance(voice, dict):
         voice = voice.get("id")
     if not isinstance(voice, str) or not voice:
         raise ApiError(400, "voice must be a voice name or {\"id\": name}", param="voice",
                        code="invalid_value")
-    name = voice.strip().lower()
-    if name in VOICES:
-        return f"seed:{VOICES[name]}"
-    if service.voices.get(name) is not None:  # a named voice (rtts.core.voices): resolved later
-        return name
-    if name.startswith("seed:") and name[5:].isdigit() and len(name) <= 15:
-        return name
-    if len(voice) >= 64:  # a ChatTTS speaker embedding string
-        try:
-            service.validate_params(SynthParams(voice=voice))
-        except ProtocolError as exc:
-            raise ApiError(400, exc.message, param="voice", code="invalid_value") from None
-        return voice
-    raise ApiError(400, f"unknown voice {voice[:64]!r}; use one of {', '.join(VOICES)}, "
-                        "a named voice (GET /v1/voices) or seed:N", param="voice",
-                   code="invalid_value")
+    try:
+        return resolve_core_voice(voice, service)
+    except ProtocolError as exc:
+        raise ApiError(400, exc.message, param="voice", code="invalid_value") from None
 
 
 def _bad(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
@@ -118,7 +97,7 @@ def parse_speech_request(body: Any, service: Service) -> dict[str, Any]:
     stream_format = body.get("stream_format") or "audio"
     if stream_format not in ("audio", "sse"):
         raise _bad("stream_format must be 'audio' or 'sse'", "stream_format")
-    return {"input": text, "voice": voice, "format": fmt, "speed": chattts_speed(float(speed)),
+    return {"input": text, "voice": voice, "format": fmt, "speed": speed_from_factor(float(speed)),
             "stream_format": stream_format}
 
 

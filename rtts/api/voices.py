@@ -19,9 +19,9 @@ from starlette.routing import Route
 
 from rtts.api.auth import Authenticator
 from rtts.api.http.common import ApiError, authorize, read_body
-from rtts.api.openai import VOICES as OPENAI_VOICES
 from rtts.core.params import SynthParams
 from rtts.core.service import Service
+from rtts.core.voicenames import OPENAI_VOICES
 from rtts.core.voices import VoiceError
 
 __all__ = ["VOICES_OPENAPI", "VoiceEndpoints"]

@@ -42,14 +42,13 @@ from wyoming.tts import (
 
 from rtts import __version__
 from rtts.api.admission import ConnectionCounts
-from rtts.api.http.common import ApiError
-from rtts.api.openai import VOICES, resolve_voice
 from rtts.api.tasks import OwnedTasks
 from rtts.audio.pcm import float_to_pcm16
 from rtts.core.context import Audio, Done, SegmentFailed, SpeechContext
 from rtts.core.params import SynthParams
 from rtts.core.service import Service
-from rtts.errors import InternalError, RttsError
+from rtts.core.voicenames import OPENAI_VOICES, resolve_voice
+from rtts.errors import InternalError, ProtocolError, RttsError
 
 __all__ = ["MAX_HEADER_BYTES", "WyomingListener", "parse_header"]
 
@@ -214,9 +213,11 @@ class _Connection:
             raise _BadEvent(f"not ready: {service.state_reason}", "unavailable")
         voice: str | None = None
         if voice_name is not None:
+            if not isinstance(voice_name, str):
+                raise _BadEvent("voice must be a string", "unknown_voice")
             try:
                 voice = resolve_voice(voice_name, service)
-            except ApiError as exc:
+            except ProtocolError as exc:
                 raise _BadEvent(exc.message, "unknown_voice") from None
         params = SynthParams(voice=voice)
         try:
@@ -367,7 +368,7 @@ class WyomingListener:
 
     def info(self) -> Info:
         by = Attribution(name="2Noise/ChatTTS", url="https://github.com/2noise/ChatTTS")
-        names = [*VOICES, *(v.name for v in self.service.voices.list())]
+        names = [*OPENAI_VOICES, *(v.name for v in self.service.voices.list())]
         voices = [TtsVoice(name=n, attribution=by, installed=True, version=None,
                            description=f"ChatTTS speaker {n}", languages=list(_LANGUAGES))
                   for n in names]

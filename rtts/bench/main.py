@@ -228,12 +228,11 @@ async def bench_chattts(args: argparse.Namespace) -> dict[str, Any]:
             for _ in engine.generate([SynthRequest("warm up", SynthParams(),
                                                    max_new_token=16)]):
                 pass
-            out["device"] = engine.device
-            table = getattr(engine, "kernel_table", None)
-            if table is not None:
-                out["kernels"] = table.as_dict()
+            out["device"] = engine.info.device
+            if engine.kernel_table is not None:
+                out["kernels"] = engine.kernel_table.as_dict()
             out["model_rss_mb"][name] = (proc.memory_info().rss - rss0) / 2**20
-            print(f"{name}: loaded {args.model_dir} on {engine.device} in "
+            print(f"{name}: loaded {args.model_dir} on {engine.info.device} in "
                   f"{time.perf_counter() - t:.1f}s", file=sys.stderr)
             cfg = replace(base, scheduler=sched)
             app = await stack.enter_async_context(run_server(cfg, engine, load=False))

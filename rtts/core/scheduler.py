@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from rtts.engines.base import Engine, SynthRequest
+from rtts.engines.base import ContinuousEngine, Engine, SynthRequest
 from rtts.errors import EngineError, EngineTimeout, ErrorCode, Overloaded
 
 __all__ = ["BACKGROUND", "Preempted", "RequestStream", "Scheduler", "SchedulerConfig"]
@@ -175,7 +175,7 @@ class Scheduler:
         self._arrived = asyncio.Event()
         self._slots = asyncio.Semaphore(self.config.concurrency)
         self._executor = ThreadPoolExecutor(
-            max_workers=self.config.concurrency, thread_name_prefix=f"rtts-{engine.device}"
+            max_workers=self.config.concurrency, thread_name_prefix=f"rtts-{engine.name}"
         )
         self._tasks: set[asyncio.Task[None]] = set()
         self._dispatcher: asyncio.Task[None] | None = None
@@ -223,8 +223,7 @@ class Scheduler:
 
     @property
     def continuous(self) -> bool:
-        return self.config.batching == "continuous" and bool(
-            getattr(self.engine, "continuous", False))
+        return self.config.batching == "continuous" and self.engine.info.continuous
 
     @property
     def reserve(self) -> int:
@@ -504,7 +503,8 @@ class Scheduler:
                 run.streams[id(s.request)] = s
             return [s.request for s in taken]
 
-        serve = self.engine.serve  # type: ignore[attr-defined]
+        assert isinstance(self.engine, ContinuousEngine)
+        serve = self.engine.serve
         gen = serve(admit, self.config.max_batch_size)
         try:
             for request, samples in gen:

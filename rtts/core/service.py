@@ -128,11 +128,11 @@ class Service:
         self.voices = VoiceStore(config.voices_dir)
         self.voices.default_engine = self.engine.name
         for e in engines:
-            prefix = getattr(e, "voice_prefix", None)
-            if prefix is not None:
-                for name in e.voices():  # type: ignore[attr-defined]
+            info = e.info
+            if info.voice_prefix is not None:
+                for name in info.voices:
                     self.voices.add_engine_voice(Voice(name, builtin=True, engine=e.name,
-                                                       target=prefix + name))
+                                                       target=info.voice_prefix + name))
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -158,7 +158,7 @@ class Service:
             raise
         await self.start_serving()
         logger.info("engine %s ready on %s in %.1fs",
-                    " + ".join(self.engines), self.engine.device, time.monotonic() - t0)
+                    " + ".join(self.engines), self.engine.info.device, time.monotonic() - t0)
 
     async def start_serving(self) -> None:
         """With a loaded engine: start the scheduler and the governor; /readyz turns 200."""
@@ -198,7 +198,7 @@ class Service:
 
     def load_signals(self) -> LoadSignals:
         gpu = 0.0
-        if self.engine.device.startswith("cuda"):
+        if self.engine.info.device.startswith("cuda"):
             import torch
 
             free, total = torch.cuda.mem_get_info()
@@ -243,7 +243,7 @@ class Service:
         voice = params.voice
         if voice is not None and len(self.engines) > 1:
             for engine in self.engines.values():
-                prefix = getattr(engine, "voice_prefix", None)
+                prefix = engine.info.voice_prefix
                 if prefix is not None and voice.startswith(prefix):
                     return engine
         return self.engine
@@ -252,12 +252,10 @@ class Service:
         """Reject params the engine cannot use (e.g. a malformed voice) before queueing.
         A named voice is checked as what it resolves to (:meth:`VoiceStore.apply`)."""
         params = self.voices.apply(params)
-        validate = getattr(self.engine_for(params), "validate", None)
-        if validate is not None:
-            try:
-                validate(params)
-            except ValueError as exc:
-                raise ProtocolError(str(exc), code=ErrorCode.INVALID_PARAMS) from None
+        try:
+            self.engine_for(params).validate(params)
+        except ValueError as exc:
+            raise ProtocolError(str(exc), code=ErrorCode.INVALID_PARAMS) from None
 
     def check_admission(self) -> None:
         """Raise ``Overloaded``-coded :class:`ProtocolError` while the governor rejects."""
@@ -295,25 +293,22 @@ class Service:
     def weights(self) -> dict[str, str]:
         """Which weights the engine serves: ``kind`` (``real``, ``random``; ``none`` for an
         engine without weights), ``source`` and ``identity`` (/v1/info, ready, /metrics)."""
-        weights = getattr(self.engine, "weights", None)
-        if isinstance(weights, dict):
-            return {k: str(v) for k, v in weights.items()}
-        return {"kind": "none", "source": self.engine.name,
-                "identity": str(getattr(self.engine, "identity", self.engine.name))}
+        return {k: str(v) for k, v in self.engine.info.weights.items()}
 
     def info(self) -> dict[str, Any]:
-        return {"server": "rtts", "version": __version__, "engine": self.engine.name,
+        engine = self.engine.info
+        return {"server": "rtts", "version": __version__, "engine": engine.name,
                 "weights": self.weights(),
-                "device": self.engine.device, "engine_sample_rate": self.engine.sample_rate,
+                "device": engine.device, "engine_sample_rate": engine.sample_rate,
                 "state": self.state, "ws_path": self.config.ws_path,
-                "random_weights": bool(getattr(self.engine, "random_weights", False)),
+                "random_weights": engine.random_weights,
                 "instance": self.config.instance_id,
                 "cache": {"memory_mb": self.config.cache.memory_mb,
                           "redis": self.config.cache.redis_url is not None},
                 "batching": {"mode": "continuous" if self.scheduler.continuous else "static",
                              "slots": self.scheduler.slot_limit,
                              "first_segment_slots": self.scheduler.reserve},
-                "kernels": _kernels(self.engine),
+                "kernels": None if engine.kernels is None else dict(engine.kernels),
                 "engines": [_describe(e, self.schedulers[e.name], e is self.engine)
                             for e in self.engines.values()]}
 
@@ -333,26 +328,25 @@ def _scaled_governor(config: ServerConfig) -> GovernorConfig:
 
 def _scheduler_config(engine: Engine, base: SchedulerConfig) -> SchedulerConfig:
     """An engine may shape its own scheduler (piper: batches of one, a worker per core)."""
-    shape = getattr(engine, "scheduler_config", None)
-    return base if shape is None else shape(base)
+    info = engine.info
+    return replace(
+        base,
+        batching=base.batching if info.batching is None else info.batching,
+        max_batch_size=base.max_batch_size if info.max_batch_size is None
+        else info.max_batch_size,
+        concurrency=base.concurrency if info.concurrency is None else info.concurrency,
+        max_wait_ms=base.max_wait_ms if info.max_wait_ms is None else info.max_wait_ms)
 
 
 def _describe(engine: Engine, scheduler: Scheduler, primary: bool) -> dict[str, Any]:
     """One engine in ``/v1/info``: which voices it takes, its rate, its scheduler."""
+    info = engine.info
     out: dict[str, Any] = {
-        "name": engine.name, "device": engine.device, "primary": primary,
+        "name": info.name, "device": info.device, "primary": primary,
         "takes": "any voice no other engine takes" if primary
-        else f"{getattr(engine, 'voice_prefix', '')}NAME",
+        else f"{info.voice_prefix or ''}NAME",
         "batching": {"mode": "continuous" if scheduler.continuous else "static",
                      "slots": scheduler.slot_limit,
                      "concurrency": scheduler.config.concurrency}}
-    describe = getattr(engine, "describe", None)
-    if describe is not None:
-        out.update(describe())
+    out.update(info.details)
     return out
-
-
-def _kernels(engine: object) -> dict[str, Any] | None:
-    """The GPT linear kernels the engine measured and chose at load, if it has any."""
-    table = getattr(engine, "kernel_table", None)
-    return None if table is None else {"dtype": table.dtype, "chosen": table.chosen}

@@ -1,23 +1,31 @@
-"""The engine interface the scheduler drives.
+"""The engine contract: what the scheduler drives and what the rest of rtts may know.
 
 An engine is *blocking* code: ``load``, ``warmup`` and ``generate`` run on the
 scheduler's worker thread(s), never on the event loop. ``generate`` takes a batch of
 requests whose :meth:`Engine.batch_key` is equal and yields audio as it exists.
+
+Everything else the scheduler, the service and the front-ends may know of an engine is in
+its :class:`EngineInfo` (``engine.info``): rate, device, weights, whether it batches
+continuously (then it is a :class:`ContinuousEngine`), the voices it claims, the scheduler
+shape it needs, its kernels. Nothing outside ``rtts.engines`` probes an engine for other
+attributes. Engines import nothing from :mod:`rtts.api`; their one core type is
+:class:`~rtts.core.params.SynthParams` (a leaf module).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from rtts.core.params import SynthParams
 
-__all__ = ["Engine", "EngineOutput", "Serve", "SynthRequest", "fixed_batch"]
+__all__ = ["ContinuousEngine", "Engine", "EngineInfo", "EngineOutput", "Serve", "SynthRequest",
+           "fixed_batch"]
 
 
 @dataclass(eq=False)
@@ -39,17 +47,62 @@ class SynthRequest:
 EngineOutput = tuple[int, "npt.NDArray[np.float32] | None"]
 
 
-@runtime_checkable
-class Engine(Protocol):
+NO_WEIGHTS: Mapping[str, str] = {"kind": "none", "source": "", "identity": ""}
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the scheduler and the front-ends may know of an engine (``engine.info``).
+
+    ``weights``: ``kind`` (``real``, ``random``, ``none``, ``unloaded``), ``source`` and
+    ``identity``, as /v1/info, the ready event and /metrics report them. ``voice_prefix``:
+    the engine speaks the voices that start with it (``piper:``), and ``voices`` names
+    them (without the prefix); None for the primary engine, which takes every other voice.
+    ``batching`` / ``max_batch_size`` / ``concurrency`` / ``max_wait_ms``: a scheduler shape
+    the engine needs (None: the server's settings). ``kernels``: the GPT kernels chosen at
+    load, if any; ``details``: more for /v1/info (models, workers).
+    """
+
     name: str
     sample_rate: int
-    device: str
+    device: str = "cpu"
+    continuous: bool = False
+    weights: Mapping[str, str] = field(default_factory=lambda: dict(NO_WEIGHTS))
+    voice_prefix: str | None = None
+    voices: tuple[str, ...] = ()
+    batching: Literal["continuous", "static"] | None = None
+    max_batch_size: int | None = None
+    concurrency: int | None = None
+    max_wait_ms: float | None = None
+    kernels: Mapping[str, Any] | None = None
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def random_weights(self) -> bool:
+        return self.weights.get("kind") == "random"
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A speech engine. ``name`` and ``sample_rate`` are fixed when it is built; the rest
+    of what may be known of it is :attr:`info`."""
+
+    name: str
+    sample_rate: int
+
+    @property
+    def info(self) -> EngineInfo:
+        """What the engine is now (weights and kernels change at :meth:`load`)."""
 
     def load(self) -> None:
         """Load weights (once, at server start)."""
 
     def warmup(self) -> None:
         """Run one short synthesis so the first user request pays no one-time costs."""
+
+    def validate(self, params: SynthParams) -> None:
+        """Raise ``ValueError`` (its message goes to the client) for params this engine
+        cannot speak, e.g. a malformed or unknown voice. Called before a request queues."""
 
     def batch_key(self, params: SynthParams) -> Hashable:
         """Requests with equal keys may share one ``generate`` call."""
@@ -71,6 +124,15 @@ class Engine(Protocol):
 # ``(request, None)`` once per request.
 Serve = Callable[[Callable[[int], Sequence[SynthRequest]], int],
                  Iterator[tuple[SynthRequest, "npt.NDArray[np.float32] | None"]]]
+
+
+@runtime_checkable
+class ContinuousEngine(Engine, Protocol):
+    """An engine whose ``info.continuous`` is true: requests join its running batch."""
+
+    def serve(self, admit: Callable[[int], Sequence[SynthRequest]], slots: int
+              ) -> Generator[tuple[SynthRequest, npt.NDArray[np.float32] | None], None, None]:
+        """See :data:`Serve`; closing the generator stops the batch at its next step."""
 
 
 def fixed_batch(serve: Serve, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:

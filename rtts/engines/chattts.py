@@ -31,7 +31,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ import numpy.typing as npt
 from rtts.config import EngineConfig
 from rtts.core.params import SynthParams
 from rtts.engines import kernels
-from rtts.engines.base import EngineOutput, SynthRequest, fixed_batch
+from rtts.engines.base import EngineInfo, EngineOutput, SynthRequest, fixed_batch
 from rtts.engines.gpt_loop import BatchedGpt, GptRow, RowSpec
 
 __all__ = ["ChatTTSEngine", "StockChatTTSEngine", "check_torchaudio", "configure_threads_env"]
@@ -99,6 +99,19 @@ class ChatTTSEngine:
         self._voice_lock = threading.Lock()
         self._default_voice: Any = None
         self.kernel_table: kernels.KernelTable | None = None
+
+    @property
+    def info(self) -> EngineInfo:
+        table = self.kernel_table
+        return EngineInfo(self.name, self.sample_rate, device=self.device,
+                          continuous=self.continuous, weights=dict(self.weights),
+                          kernels=None if table is None else {"dtype": table.dtype,
+                                                              "chosen": table.chosen},
+                          **self._scheduling())
+
+    def _scheduling(self) -> dict[str, Any]:
+        """The scheduler shape this engine needs (none: the server's settings)."""
+        return {}
 
     # -- loading ---------------------------------------------------------------------
 
@@ -308,7 +321,7 @@ class ChatTTSEngine:
         return fixed_batch(self.serve, batch)
 
     def serve(self, admit: Callable[[int], Sequence[SynthRequest]], slots: int
-              ) -> Iterator[tuple[SynthRequest, npt.NDArray[np.float32] | None]]:
+              ) -> Generator[tuple[SynthRequest, npt.NDArray[np.float32] | None], None, None]:
         """Continuous batching: before every GPT step, ``admit(free)`` may hand over up to
         ``free`` new requests, which join the running batch. Yields ``(request, samples)``
         in order per request, then ``(request, None)`` once (also for a cancelled one).
@@ -429,6 +442,9 @@ class StockChatTTSEngine(ChatTTSEngine):
 
     def batch_key(self, params: SynthParams) -> Hashable:
         return object()  # never batch
+
+    def _scheduling(self) -> dict[str, Any]:
+        return {"batching": "static", "max_batch_size": 1, "concurrency": 1}
 
     def generate(self, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:
         chat = self.chat

@@ -13,21 +13,20 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from rtts.core.params import SynthParams
-from rtts.engines.base import EngineOutput, SynthRequest, fixed_batch
+from rtts.engines.base import EngineInfo, EngineOutput, SynthRequest, fixed_batch
 
 __all__ = ["FakeEngine"]
 
 
 class FakeEngine:
     name = "fake"
-    device = "cpu"
 
     def __init__(
         self,
@@ -51,8 +50,17 @@ class FakeEngine:
         self.batches: list[int] = []  # sizes of the batches served, for tests and metrics
         self._tables: dict[float, npt.NDArray[np.float32]] = {}  # tone per frequency
 
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.name, self.sample_rate, continuous=self.continuous,
+                          weights={"kind": "none", "source": self.name,
+                                   "identity": self.identity})
+
     def load(self) -> None:
         self.loaded = True
+
+    def validate(self, params: SynthParams) -> None:
+        """Any voice string will do: the tone's pitch follows it."""
 
     def warmup(self) -> None:
         for _ in self.generate([SynthRequest("warm up", SynthParams())]):
@@ -75,7 +83,7 @@ class FakeEngine:
         return fixed_batch(self.serve, batch)
 
     def serve(self, admit: Callable[[int], Sequence[SynthRequest]], slots: int
-              ) -> Iterator[tuple[SynthRequest, npt.NDArray[np.float32] | None]]:
+              ) -> Generator[tuple[SynthRequest, npt.NDArray[np.float32] | None], None, None]:
         """Continuous batching, as the ChatTTS engine does it: before every tick (one
         ``chunk_ms`` chunk per live row) ``admit(free)`` may add requests to the batch."""
         chunk = max(1, int(self.chunk_ms * self.sample_rate / 1000))

@@ -23,7 +23,7 @@ import logging
 import os
 import re
 from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -31,8 +31,7 @@ import orjson
 
 from rtts.audio.pcm import StreamingResampler
 from rtts.core.params import SynthParams
-from rtts.core.scheduler import SchedulerConfig
-from rtts.engines.base import EngineOutput, SynthRequest
+from rtts.engines.base import EngineInfo, EngineOutput, SynthRequest
 
 __all__ = ["VOICE_PREFIX", "PiperEngine", "length_scale", "noise_factor", "voice_name"]
 
@@ -85,9 +84,6 @@ class PiperEngine:
     """Every loaded piper voice model, behind the :class:`~rtts.engines.base.Engine` interface."""
 
     name = "piper"
-    device = "cpu"
-    continuous = False  # no continuous batching: one utterance per ONNX run
-    voice_prefix = VOICE_PREFIX  # voices of this engine on the wire: piper:NAME
 
     def __init__(self, model_paths: Sequence[Path], sample_rate: int | None = None,
                  workers: int | None = None, threads: int | None = None) -> None:
@@ -125,6 +121,18 @@ class PiperEngine:
             for m in self.models.values())
 
     # -- Engine interface ----------------------------------------------------------------
+
+    @property
+    def info(self) -> EngineInfo:
+        """Voices ``piper:NAME``; its scheduler: batches of one (a stream's first segment
+        first), ``workers`` at once, no batch wait (no continuous batching: one utterance
+        per ONNX run); the intake bound and timeouts are the server's."""
+        return EngineInfo(self.name, self.sample_rate, continuous=False,
+                          weights={"kind": "none", "source": self.name,
+                                   "identity": self.identity},
+                          voice_prefix=VOICE_PREFIX, voices=tuple(self.models),
+                          batching="static", max_batch_size=1, concurrency=self.workers,
+                          max_wait_ms=0.0, details=self._details())
 
     def load(self) -> None:
         import onnxruntime
@@ -173,12 +181,6 @@ class PiperEngine:
             raise ValueError(f"piper voice {name} has speakers 0-{found.speakers - 1}")
         return found, int(speaker)
 
-    def scheduler_config(self, base: SchedulerConfig) -> SchedulerConfig:
-        """Its scheduler: batches of one (a stream's first segment first), ``workers`` at
-        once, no batch wait; the intake bound and timeouts are the server's."""
-        return replace(base, batching="static", max_batch_size=1, concurrency=self.workers,
-                       max_wait_ms=0.0)
-
     def validate(self, params: SynthParams) -> None:
         self.resolve(params.voice)
 
@@ -220,7 +222,7 @@ class PiperEngine:
         for model in self.models.values():
             model.voice = None
 
-    def describe(self) -> dict[str, Any]:
+    def _details(self) -> dict[str, Any]:
         """For ``/v1/info``: the models, their native rates and speakers."""
         return {"voices": [{"name": m.name, "voice": VOICE_PREFIX + m.name,
                             "model": str(m.path), "model_sample_rate": m.sample_rate,

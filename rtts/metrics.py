@@ -40,6 +40,42 @@ def _weights_info(weights: dict[str, str]) -> str:
     return f"rtts_weights_info{{{labels}}} 1"
 
 
+def _number(value: float) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def _per_engine(service: Service) -> list[str]:
+    """Every engine's scheduler and its contexts' time to first audio and audio seconds
+    (``engine`` label; the unlabelled series above are the totals, or the primary's)."""
+    s = service.stats
+    names = list(service.engines)
+    lines = ["# HELP rtts_engine_time_to_first_audio_seconds per engine, every protocol",
+             "# TYPE rtts_engine_time_to_first_audio_seconds summary"]
+    for name in names:
+        values = list(s.ttfa_by_engine.get(name, ()))
+        lines += [f'rtts_engine_time_to_first_audio_seconds{{engine="{name}",quantile="{q}"}} '
+                  f"{_quantile(values, q):.4f}" for q in (0.5, 0.95, 0.99)]
+        lines.append(f'rtts_engine_time_to_first_audio_seconds_count{{engine="{name}"}} '
+                     f"{s.ttfa_count_by_engine[name]}")
+    lines.append("# TYPE rtts_engine_audio_seconds_sent_total counter")
+    lines += [f'rtts_engine_audio_seconds_sent_total{{engine="{n}"}} '
+              f"{s.audio_seconds_by_engine.get(n, 0.0):.3f}" for n in names]
+    for metric, kind, attr in (
+            ("queue_depth", "gauge", "queue_depth"),
+            ("running_batches", "gauge", "running_batches"),
+            ("requests_completed_total", "counter", "completed"),
+            ("requests_failed_total", "counter", "failed"),
+            ("busy_seconds_total", "counter", "busy_s")):
+        lines.append(f"# TYPE rtts_engine_{metric} {kind}")
+        lines += [f'rtts_engine_{metric}{{engine="{n}"}} '
+                  f"{_number(getattr(service.schedulers[n], attr))}" for n in names]
+    lines.append("# TYPE rtts_engine_audio_seconds_generated_total counter")
+    lines += [f'rtts_engine_audio_seconds_generated_total{{engine="{n}"}} '
+              f"{service.schedulers[n].audio_samples / service.engines[n].sample_rate:.3f}"
+              for n in names]
+    return lines
+
+
 def render_metrics(app: Service) -> str:
     s, sch, cs = app.stats, app.scheduler, app.cache.stats
     ttfa = list(s.ttfa_s)
@@ -83,7 +119,8 @@ def render_metrics(app: Service) -> str:
         "# TYPE rtts_time_to_first_audio_seconds summary",
         *(f"rtts_time_to_first_audio_seconds{{quantile=\"{q}\"}} {_quantile(ttfa, q):.4f}"
           for q in (0.5, 0.95, 0.99)),
-        f"rtts_time_to_first_audio_seconds_count {len(ttfa)}",
+        f"rtts_time_to_first_audio_seconds_count {s.ttfa_count}",
+        *_per_engine(app),
         "# TYPE rtts_load_level gauge", f"rtts_load_level {int(app.governor.level)}",
         "# TYPE rtts_degraded gauge", f"rtts_degraded {int(app.degraded)}",
         "# TYPE rtts_governor_transitions_total counter",

@@ -17,6 +17,7 @@ requests, which frees their batch rows.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -106,6 +107,7 @@ class SpeechContext:
         self._cancelled = False
         self.finished = False  # Done was yielded
         self._wakeup = asyncio.Event()
+        self.engine = service.engine_for(params).name  # who speaks it (metrics per engine)
         service.stats.contexts_total += 1
 
     # -- input -------------------------------------------------------------------------
@@ -176,6 +178,10 @@ class SpeechContext:
         """Segment events in order until :class:`Done` (or the context is cancelled)."""
         stats = self.service.stats
         segments = samples_total = failed = 0
+        # Time to first audio and audio seconds are recorded here, once for every protocol
+        # (job contexts, in the background, are not live audio and count in neither).
+        live = not self.background
+        first_audio = live
         try:
             while not self._cancelled:
                 await self._submit_ahead()
@@ -206,6 +212,10 @@ class SpeechContext:
                         recorder.add(samples)
                         await self._submit_ahead()
                         n += len(samples)
+                        if first_audio:
+                            first_audio = False
+                            stats.record_ttfa(self.engine,
+                                              time.monotonic() - source.submitted_at)
                         yield Audio(index, samples, source.produced_at)
                 except RttsError as exc:
                     stats.segment_errors += 1
@@ -218,6 +228,8 @@ class SpeechContext:
                 if self._inflight and self._inflight[0][3] is source:
                     self._inflight.popleft()
                 samples_total += n
+                if live:
+                    stats.record_audio(self.engine, n / self.sample_rate)
                 yield SegmentDone(index, n, estimate(chunk.text, n * 1000 / self.sample_rate))
         finally:
             self._release()

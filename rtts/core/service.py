@@ -63,8 +63,26 @@ class Stats:
     audio_seconds_sent: float = 0.0
     http_requests: int = 0
     ttfa_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+    ttfa_count: int = 0
+    # the same two per engine (every context's, whatever protocol it came in by)
+    ttfa_by_engine: dict[str, deque[float]] = field(default_factory=dict)
+    ttfa_count_by_engine: Counter[str] = field(default_factory=Counter)
+    audio_seconds_by_engine: dict[str, float] = field(default_factory=dict)
     # engine output -> frame handed to the socket, per live frame (server-added latency)
     frame_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=20000))
+
+    def record_ttfa(self, engine: str, seconds: float) -> None:
+        """A live context's first audio exists ``seconds`` after its request was made."""
+        self.ttfa_s.append(seconds)
+        self.ttfa_count += 1
+        self.ttfa_by_engine.setdefault(engine, deque(maxlen=1024)).append(seconds)
+        self.ttfa_count_by_engine[engine] += 1
+
+    def record_audio(self, engine: str, seconds: float) -> None:
+        """A live context's segment of ``seconds`` was delivered (to its front-end)."""
+        self.audio_seconds_sent += seconds
+        self.audio_seconds_by_engine[engine] = self.audio_seconds_by_engine.get(engine, 0.0) \
+            + seconds
 
     @property
     def auth_rejected(self) -> int:

@@ -423,7 +423,6 @@ class ContextPipeline:
                                             use_cache=ctx.cache)
         self.chunks: dict[int, Chunk] = {}  # queued segments by index
         self.task: asyncio.Task[None] | None = None
-        self.first_audio_sent = False
         self.pacer = LeadPacer(conn.cfg.max_lead_s)
 
     def add(self, job: Synthesize) -> None:
@@ -468,11 +467,10 @@ class ContextPipeline:
                                                            event.cached)
                     if started is not None:
                         await conn.send(0, started.event)
-                    segment = _SegmentOut(self, event.index, event.submitted_at)
+                    segment = _SegmentOut(self, event.index)
                 elif isinstance(event, SegmentDone):
                     assert segment is not None
                     await segment.end()
-                    self.app.stats.audio_seconds_sent += segment.total / ctx.sample_rate
                     await conn._apply(conn.session.segment_done(
                         ctx.context_id, event.index, self.chunks.pop(event.index),
                         segment.total, segment.seq, event.timings))
@@ -492,11 +490,10 @@ class ContextPipeline:
 class _SegmentOut:
     """One segment's audio on its way out: resample or encode, frame, pace, send."""
 
-    def __init__(self, pipeline: ContextPipeline, index: int, submitted_at: float) -> None:
+    def __init__(self, pipeline: ContextPipeline, index: int) -> None:
         self.p = pipeline
         ctx, rate = pipeline.ctx, pipeline.app.engine.sample_rate
         self.index = index
-        self.submitted_at = submitted_at
         self.play_start = time.monotonic()
         self.resampler = StreamingResampler(rate, ctx.sample_rate)
         self.encoder: Encoder | None = None if ctx.format == "pcm16" else open_encoder(
@@ -530,9 +527,6 @@ class _SegmentOut:
             self.seq += 1
             self.total += len(piece)
             pacer.sent(len(piece) / rate, time.monotonic())
-            if not p.first_audio_sent:
-                p.first_audio_sent = True
-                p.app.stats.ttfa_s.append(time.monotonic() - self.submitted_at)
 
     async def encoded(self, samples: np.ndarray | None, produced_at: float) -> None:
         """One frame of whatever the encoder made of this audio (None: its tail)."""
@@ -554,9 +548,6 @@ class _SegmentOut:
         await p.conn.send(p.ctx.serial, pack_frame(header, data), produced_at)
         self.seq += 1
         p.pacer.sent(n / p.ctx.sample_rate, time.monotonic())
-        if not p.first_audio_sent:
-            p.first_audio_sent = True
-            p.app.stats.ttfa_s.append(time.monotonic() - self.submitted_at)
 
 
 async def _pace(pacer: LeadPacer, wait: float) -> None:

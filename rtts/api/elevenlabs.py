@@ -41,9 +41,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import orjson
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
@@ -53,7 +52,8 @@ from websockets.http11 import Response as WsResponse
 from rtts.api.admission import Principal
 from rtts.api.auth import Authenticator, AuthError
 from rtts.api.handshake import respond
-from rtts.api.http.common import ApiError, HttpContext, authorize, b64, check_ready, read_body
+from rtts.api.http.common import ApiError, b64, read_body
+from rtts.api.http.speech import SpeechBody, SpeechRequest, speak
 from rtts.api.tasks import OwnedTasks
 from rtts.audio.codecs import Encoder, codec_for, open_encoder
 from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
@@ -68,7 +68,6 @@ from rtts.errors import (
     ErrorCode,
     InternalError,
     ProtocolError,
-    RttsError,
 )
 from rtts.text.segmenter import DEFAULT_SCHEDULE
 from rtts.text.timings import CharTimings, estimate
@@ -328,12 +327,9 @@ class _Context:
         service = sock.endpoint.service
         self.cid = cid
         self.sock = sock
-        self.speech = service.open_context(
-            params, schedule=schedule, lookahead=service.config.lookahead_segments,
-            max_chunk_chars=service.config.limits.default_max_chunk_chars,
-            normalize=sock.normalize)
+        self.speech = service.open_context(params, schedule=schedule, normalize=sock.normalize)
         fmt = sock.fmt
-        self.encoder: Encoder = open_encoder(fmt.codec, service.engine.sample_rate,
+        self.encoder: Encoder = open_encoder(fmt.codec, service.sample_rate,
                                              fmt.sample_rate, fmt.bit_rate)
         self.aligner = _Aligner()
         self.chars = 0
@@ -664,8 +660,12 @@ class ElevenLabsEndpoints:
 
     async def _stream(self, request: Request, timestamps: bool) -> Response:
         service = self.service
-        kid = authorize(self.auth, service, request, key=request.headers.get("xi-api-key"))
-        try:
+        texts: list[str] = []
+        formats: list[OutputFormat] = []
+
+        async def parse() -> SpeechRequest:
+            fmt = parse_output_format(request.query_params.get("output_format"))
+            formats.append(fmt)
             raw = await read_body(request, service.config.max_message_bytes)
             try:
                 body = orjson.loads(raw)
@@ -678,40 +678,24 @@ class ElevenLabsEndpoints:
                 raise ElevenError("text is required: a non-empty string")
             if len(text) > MAX_TEXT_CHARS:
                 raise ElevenError(f"text is longer than {MAX_TEXT_CHARS} characters")
-            fmt = parse_output_format(request.query_params.get("output_format"))
+            texts.append(text)
             voice = resolve_voice_id(request.path_params["voice_id"], service)
             params = SynthParams(voice=voice, speed=speed_of(body.get("voice_settings")))
-            check_ready(service)
-            try:
-                service.validate_params(params)
-            except RttsError as exc:
-                raise ElevenError(exc.message) from None
             normalize = str(body.get("apply_text_normalization", "auto")).lower() != "off"
-            ctx = service.open_context(params, lookahead=service.config.lookahead_segments,
-                                       max_chunk_chars=service.config.limits
-                                       .default_max_chunk_chars, normalize=normalize)
-            service.stats.http_requests += 1
-            ctx.feed(text)
-            ctx.end()
-            encoder = open_encoder(fmt.codec, service.engine.sample_rate, fmt.sample_rate,
-                                   fmt.bit_rate)
-        except BaseException:
-            self.auth.release(kid)
-            raise
-        stream = HttpContext(ctx, encoder, lambda: self.auth.release(kid))
-        await stream.start()
+            return SpeechRequest(text, params, fmt.codec, fmt.sample_rate, fmt.bit_rate,
+                                 normalize)
+
+        stream = await speak(service, self.auth, request, parse,
+                             key=request.headers.get("xi-api-key"))
         if timestamps:
-            return StreamingResponse(_json_lines(stream, text), media_type="application/json",
-                                     headers={"Cache-Control": "no-store"},
-                                     background=BackgroundTask(stream.aclose))
-        codec = codec_for(fmt.codec)
+            return stream.response(_json_lines(stream, texts[0]),
+                                   media_type="application/json")
+        codec = codec_for(formats[0].codec)
         assert codec is not None
-        return StreamingResponse(stream.chunks(), media_type=codec.media_type,
-                                 headers={"Cache-Control": "no-store"},
-                                 background=BackgroundTask(stream.aclose))
+        return stream.response(media_type=codec.media_type)
 
 
-async def _json_lines(stream: HttpContext, text: str) -> AsyncIterator[bytes]:
+async def _json_lines(stream: SpeechBody, text: str) -> AsyncIterator[bytes]:
     """``with-timestamps``: one JSON line per piece of audio; a segment's alignment (times in
     seconds from the start of the whole audio) rides on the line after its last audio."""
     aligner = _Aligner()
@@ -721,7 +705,7 @@ async def _json_lines(stream: HttpContext, text: str) -> AsyncIterator[bytes]:
     spans: dict[int, tuple[int, int, str]] = {}
     encoder = stream.encoder
     try:
-        async for event in stream._all():
+        async for event in stream.events():
             if isinstance(event, Audio):
                 data = encoder.encode(event.samples)
                 if data:

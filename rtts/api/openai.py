@@ -18,14 +18,14 @@ from __future__ import annotations
 from typing import Any, Final
 
 import orjson
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rtts.api.auth import Authenticator
-from rtts.api.http.common import ApiError, HttpContext, authorize, b64, check_ready, read_body, sse
-from rtts.audio.codecs import codec_for, open_encoder
+from rtts.api.http.common import ApiError, authorize, b64, read_body, sse
+from rtts.api.http.speech import SpeechBody, SpeechRequest, speak
+from rtts.audio.codecs import codec_for
 from rtts.core.params import SynthParams
 from rtts.core.service import Service
 from rtts.core.voicenames import OPENAI_VOICES, speed_from_factor
@@ -142,42 +142,31 @@ class OpenAIEndpoints:
 
     async def speech(self, request: Request) -> Response:
         service = self.service
-        kid = authorize(self.auth, service, request)
-        try:
+        parsed: list[dict[str, Any]] = []
+
+        async def parse() -> SpeechRequest:
             raw = await read_body(request, service.config.max_message_bytes)
             try:
                 body = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 raise _bad("the request body is not valid JSON", None, "invalid_json") from None
             req = parse_speech_request(body, service)
-            check_ready(service)
-            params = SynthParams(voice=req["voice"], speed=req["speed"])
-            service.validate_params(params)
-            ctx = service.open_context(
-                params, max_chunk_chars=service.config.limits.default_max_chunk_chars,
-                lookahead=service.config.lookahead_segments)
-            service.stats.http_requests += 1
-            ctx.feed(req["input"])
-            ctx.end()
-            codec = codec_for(req["format"])
-            assert codec is not None
-            encoder = open_encoder(req["format"], service.engine.sample_rate, PCM_RATE)
-        except BaseException:
-            self.auth.release(kid)
-            raise
-        stream = HttpContext(ctx, encoder, lambda: self.auth.release(kid))
-        await stream.start()
+            parsed.append(req)
+            return SpeechRequest(req["input"], SynthParams(voice=req["voice"],
+                                                           speed=req["speed"]),
+                                 req["format"], PCM_RATE)
+
+        stream = await speak(service, self.auth, request, parse)
+        req = parsed[0]
         if req["stream_format"] == "sse":
-            return StreamingResponse(_sse(stream, len(req["input"])),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-store"},
-                                     background=BackgroundTask(stream.aclose))
-        return StreamingResponse(stream.chunks(), media_type=codec.media_type,
-                                 headers={"Cache-Control": "no-store"},
-                                     background=BackgroundTask(stream.aclose))
+            return stream.response(_sse(stream, len(req["input"])),
+                                   media_type="text/event-stream")
+        codec = codec_for(req["format"])
+        assert codec is not None
+        return stream.response(media_type=codec.media_type)
 
 
-async def _sse(stream: HttpContext, input_chars: int) -> Any:
+async def _sse(stream: SpeechBody, input_chars: int) -> Any:
     audio_bytes = 0
     async for data in stream.chunks():
         audio_bytes += len(data)

@@ -11,14 +11,14 @@ import time
 from typing import Final
 
 import orjson
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from rtts.api.auth import Authenticator
-from rtts.api.http.common import ApiError, HttpContext, authorize, check_ready, speech_options
-from rtts.audio.codecs import CODECS, Codec, codec_for, open_encoder, output_rate
+from rtts.api.http.common import ApiError, speech_options
+from rtts.api.http.speech import SpeechRequest, speak
+from rtts.audio.codecs import CODECS, Codec, codec_for
 from rtts.core.params import SpeechOptions
 from rtts.core.service import Service
 
@@ -74,25 +74,14 @@ class RestEndpoints:
                         headers={"Cache-Control": "no-store"})
 
     async def tts(self, request: Request) -> Response:
-        service = self.service
-        kid = authorize(self.auth, service, request)
-        try:
+        fmt: list[Codec] = []
+
+        async def parse() -> SpeechRequest:
             msg, codec, text = self._parse_tts(request)
-            check_ready(service)
-            ctx = service.open_context(
-                msg.params, max_chunk_chars=service.config.limits.default_max_chunk_chars,
-                lookahead=service.config.lookahead_segments, normalize=msg.normalize)
-            service.stats.http_requests += 1
-            ctx.feed(text)
-            ctx.end()
-            encoder = open_encoder(codec.name, service.engine.sample_rate, msg.sample_rate)
-        except BaseException:
-            self.auth.release(kid)
-            raise
-        stream = HttpContext(ctx, encoder, lambda: self.auth.release(kid))
-        await stream.start()
-        rate = output_rate(codec, msg.sample_rate)
-        return StreamingResponse(stream.chunks(), media_type=codec.media_type,
-                                 headers={"Cache-Control": "no-store",
-                                          "X-Sample-Rate": str(rate)},
-                                 background=BackgroundTask(stream.aclose))
+            fmt.append(codec)
+            return SpeechRequest(text, msg.params, codec.name, msg.sample_rate,
+                                 normalize=msg.normalize)
+
+        body = await speak(self.service, self.auth, request, parse)
+        return body.response(media_type=fmt[0].media_type,
+                             headers={"X-Sample-Rate": str(body.encoder.sample_rate)})

@@ -225,9 +225,7 @@ class _Connection:
             service.validate_params(params)
         except RttsError as exc:
             raise _BadEvent(exc.message, str(exc.code)) from None
-        return service.open_context(params, lookahead=service.config.lookahead_segments,
-                                    max_chunk_chars=service.config.limits
-                                    .default_max_chunk_chars)
+        return service.open_context(params)
 
     def _feed(self, ctx: SpeechContext, text: str) -> None:
         limit = self.service.config.limits.max_text_chars_per_message
@@ -374,5 +372,5 @@ class WyomingListener:
                   for n in names]
         return Info(tts=[TtsProgram(
             name="rtts", attribution=by, installed=True, version=__version__,
-            description=f"rtts streaming TTS ({self.service.engine.name} engine)",
+            description=f"rtts streaming TTS ({self.service.engine_name} engine)",
             voices=voices, supports_synthesize_streaming=True)])

@@ -302,10 +302,24 @@ class Service:
     def segment_recorder(self, key: str | None) -> SegmentRecorder:
         return SegmentRecorder(self, key)
 
+    @property
+    def engine_name(self) -> str:
+        """The primary engine's name (the ready event, /v1/info)."""
+        return self.engine.name
+
+    @property
+    def sample_rate(self) -> int:
+        """The rate of every engine's audio here (the primary's; the others resample)."""
+        return self.engine.sample_rate
+
     def open_context(self, params: SynthParams, **options: Any) -> SpeechContext:
-        """A new :class:`~rtts.core.context.SpeechContext` on this service. The one place a
-        named voice resolves (:meth:`VoiceStore.apply`): once per context, so every segment
-        of it uses the same speaker and params (and the cache keys them by the speaker)."""
+        """A new :class:`~rtts.core.context.SpeechContext` on this service, with the
+        server's ``lookahead`` and ``max_chunk_chars`` unless ``options`` say otherwise.
+        The one place a named voice resolves (:meth:`VoiceStore.apply`): once per context,
+        so every segment of it uses the same speaker and params (and the cache keys them by
+        the speaker)."""
+        options.setdefault("lookahead", self.config.lookahead_segments)
+        options.setdefault("max_chunk_chars", self.config.limits.default_max_chunk_chars)
         return SpeechContext(self, self.voices.apply(params), **options)
 
     def weights(self) -> dict[str, str]:

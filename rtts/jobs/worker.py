@@ -221,7 +221,7 @@ class JobWorker:
         params = SynthParams(**_params(record.params))
         ctx = self.service.open_context(params, lookahead=1, use_cache=False, background=True)
         self._inflight[entry.id] = (entry, ctx)
-        encoder = open_encoder(fmt, self.service.engine.sample_rate, record.sample_rate,
+        encoder = open_encoder(fmt, self.service.sample_rate, record.sample_rate,
                                part=True)
         parts: list[bytes] = []
         error: RttsError | None = None

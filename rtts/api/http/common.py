@@ -1,4 +1,6 @@
-"""What the HTTP front-ends share: OpenAI-shaped errors, auth, and streaming a context.
+"""What the HTTP front-ends share: OpenAI-shaped errors, auth, bodies and options.
+
+Streaming a context as a response body is :mod:`rtts.api.http.speech`.
 
 Every new HTTP surface answers bad input with the OpenAI error shape
 ``{"error": {"message", "type", "param", "code"}}`` and a 4xx/5xx status, so the clients
@@ -8,9 +10,8 @@ people already run (the ``openai`` SDK, Open WebUI, pipecat) show the server's m
 from __future__ import annotations
 
 import base64
-import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Final
 
 import orjson
@@ -18,15 +19,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from rtts.api.auth import Authenticator, AuthError
-from rtts.audio.codecs import Encoder
-from rtts.core.context import Audio, Done, Event, SegmentFailed, SpeechContext
 from rtts.core.params import SpeechOptions, parse_options
 from rtts.core.service import Service
-from rtts.errors import ErrorCode, ProtocolError, RttsError
+from rtts.errors import ProtocolError, RttsError
 
-__all__ = ["ApiError", "HttpContext", "api_error_response", "auth_api_error", "authorize",
-           "check_ready", "number_param", "speech_options",
-           "read_body"]
+__all__ = ["ApiError", "api_error_response", "auth_api_error", "authorize", "b64",
+           "check_ready", "number_param", "read_body", "speech_options", "sse"]
 
 
 class ApiError(Exception):
@@ -159,83 +157,6 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise ApiError(413, f"request body larger than {limit} bytes",
                            code="body_too_large")
     return bytes(body)
-
-
-def segment_error(exc: RttsError) -> ApiError:
-    if exc.code == ErrorCode.OVERLOADED:
-        return overloaded(exc.message, 429)
-    return ApiError(500, exc.message, type="server_error", code=str(exc.code))
-
-
-class HttpContext:
-    """A context whose audio leaves as one HTTP body, encoded as it is made.
-
-    :meth:`start` waits for the first audio (or the first failure) so that an error can
-    still be answered with a status; :meth:`chunks` then yields encoded bytes as segments
-    arrive. The context is cancelled if the client goes away.
-    """
-
-    def __init__(self, ctx: SpeechContext, encoder: Encoder, release: Callable[[], None]
-                 ) -> None:
-        self.ctx = ctx
-        self.encoder = encoder
-        self._events = ctx.events()
-        self._first: list[Event] = []
-        self._release = release
-        self.done: Done | None = None
-        self.error: RttsError | None = None
-
-    async def start(self) -> None:
-        """Read events up to the first audio; raise :class:`ApiError` if none comes."""
-        try:
-            async for event in self._events:
-                self._first.append(event)
-                if isinstance(event, Audio):
-                    return
-                if isinstance(event, SegmentFailed):
-                    raise segment_error(event.error)
-                if isinstance(event, Done):
-                    return
-        except BaseException:
-            await self.aclose()
-            raise
-
-    async def aclose(self) -> None:
-        self.ctx.cancel()
-        with contextlib.suppress(Exception):
-            await self._events.aclose()
-        self._release()
-        self._release = _nothing
-
-    async def _all(self) -> AsyncIterator[Event]:
-        for event in self._first:
-            yield event
-        self._first.clear()
-        async for event in self._events:
-            yield event
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """Encoded audio as it is made; the encoder's tail at the end."""
-        try:
-            async for event in self._all():
-                if isinstance(event, Audio):
-                    data = self.encoder.encode(event.samples)
-                    if data:
-                        yield data
-                elif isinstance(event, SegmentFailed):
-                    self.error = event.error  # the status is sent: end the body early
-                    break
-                elif isinstance(event, Done):
-                    self.done = event
-            tail = self.encoder.finish()
-            if tail:
-                yield tail
-        finally:
-            await self.aclose()
-
-
-def _nothing() -> None:
-    return None
 
 
 def sse(event: dict[str, Any]) -> bytes:

@@ -183,8 +183,8 @@ class Connection:
             self._spawn(self._idle_watch(self.cfg.idle_timeout_s), "rtts-idle-timeout")
         try:
             await self.send(0, self.session.hello(
-                engine=self.app.engine.name, weights=self.app.weights(),
-                sample_rate=self.app.engine.sample_rate,
+                engine=self.app.engine_name, weights=self.app.weights(),
+                sample_rate=self.app.sample_rate,
                 degraded=self.app.degraded, instance=self.cfg.instance_id,
                 formats=list(SUPPORTED_FORMATS)).event)
             await self._reader()
@@ -492,7 +492,7 @@ class _SegmentOut:
 
     def __init__(self, pipeline: ContextPipeline, index: int) -> None:
         self.p = pipeline
-        ctx, rate = pipeline.ctx, pipeline.app.engine.sample_rate
+        ctx, rate = pipeline.ctx, pipeline.app.sample_rate
         self.index = index
         self.play_start = time.monotonic()
         self.resampler = StreamingResampler(rate, ctx.sample_rate)

@@ -8,6 +8,15 @@ Error tree::
     +-- EngineError         one synthesis request failed (error event for that context)
     |   +-- EngineTimeout   one request exceeded its deadline
     +-- InternalError       a server bug ended one context (error event, incident id logged)
+    +-- AuthError           key, token, origin or quota refused (rtts.api.auth)
+    +-- ApiError            an HTTP answer: status + OpenAI-shaped body (rtts.api.http.common)
+    +-- ElevenError         an ElevenLabs-shaped socket or HTTP error (rtts.api.elevenlabs)
+    +-- WyomingError        a Wyoming ``error`` event (rtts.api.wyoming)
+    +-- VoiceError          a refused voice operation, with its HTTP status (rtts.core.voices)
+    +-- ConfigError         a setting that cannot work: one line, exit 2 (rtts.cli.main)
+    +-- HubUnavailable      the model hub cannot be reached (rtts.engines.weights)
+
+Each has ``message``; the ones with a status or close code carry it too.
 
 Close codes used by the server (all documented in the README):
 
@@ -81,11 +90,13 @@ class ErrorCode(StrEnum):
 
 
 class RttsError(Exception):
-    """Base class of every error rtts raises on purpose."""
+    """Base class of every error rtts raises on purpose: ``message`` is what the client (or
+    the operator) is told, ``code`` a machine-readable string (an :class:`ErrorCode` for
+    the core's errors; a protocol's own code for a front-end's, None where it has none)."""
 
-    code: ErrorCode = ErrorCode.INVALID_MESSAGE
+    code: str | None = ErrorCode.INVALID_MESSAGE
 
-    def __init__(self, message: str, *, code: ErrorCode | None = None) -> None:
+    def __init__(self, message: str, *, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:

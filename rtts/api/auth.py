@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import orjson
 
+from rtts.errors import RttsError
+
 __all__ = ["AuthConfig", "AuthError", "Authenticator", "key_id"]
 
 
@@ -55,9 +57,11 @@ class AuthConfig:
                      if k.strip())
 
 
-class AuthError(Exception):
+class AuthError(RttsError):
+    """A refused key, token, origin or quota: ``status`` 401, 403 or 429."""
+
     def __init__(self, status: int, reason: str, retry_after_s: int | None = None) -> None:
-        super().__init__(reason)
+        super().__init__(reason, code=str(status))
         self.status = status
         self.reason = reason
         self.retry_after_s = retry_after_s  # 429: when a retry can succeed (seconds)

@@ -68,6 +68,7 @@ from rtts.errors import (
     ErrorCode,
     InternalError,
     ProtocolError,
+    RttsError,
 )
 from rtts.text.segmenter import DEFAULT_SCHEDULE
 from rtts.text.timings import CharTimings, estimate
@@ -100,14 +101,13 @@ _VOICE_SEEDS: Final = 100_000
 # -- pure parsing ------------------------------------------------------------------------
 
 
-class ElevenError(Exception):
+class ElevenError(RttsError):
     """An error answered with ElevenLabs' shape: ``message``, ``error`` (a code), and the
     WebSocket close code / HTTP status."""
 
     def __init__(self, message: str, error: str = "invalid_request", *,
                  close: int = CLOSE_POLICY_VIOLATION, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
+        super().__init__(message, code=error)
         self.error = error
         self.close = close
         self.status = status

@@ -59,12 +59,17 @@ _WRITE_TIMEOUT_S = 10.0
 _LANGUAGES = ["en", "zh"]
 
 
-class _BadEvent(Exception):
+class WyomingError(RttsError):
+    """Answered with a Wyoming ``error`` event (``text``, ``code``); ``fatal`` closes the
+    connection after it (the framing is lost)."""
+
     def __init__(self, text: str, code: str, fatal: bool = False) -> None:
-        super().__init__(text)
+        super().__init__(text, code=code)
         self.text = text
-        self.code = code
         self.fatal = fatal
+
+
+_BadEvent = WyomingError  # the name the handlers below use
 
 
 def parse_header(line: bytes) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from rtts.config import EngineConfig, ServerConfig
 from rtts.core.cache import CacheConfig
 from rtts.core.governor import GovernorConfig
 from rtts.core.scheduler import SchedulerConfig
+from rtts.errors import RttsError
 from rtts.jobs.model import JobsConfig, default_jobs_dir
 
 __all__ = ["ConfigError", "build_parser", "config_from_args", "main"]
@@ -46,7 +47,7 @@ logger = logging.getLogger("rtts.cli.main")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-class ConfigError(ValueError):
+class ConfigError(RttsError, ValueError):
     """A setting that cannot work, or flags that do not fit together: one clear line, exit
     status 2."""
 

@@ -43,7 +43,7 @@ import orjson
 
 from rtts.core.params import SynthParams
 from rtts.core.params import parse_params as parse_synth_params
-from rtts.errors import ProtocolError
+from rtts.errors import ProtocolError, RttsError
 
 __all__ = ["BUILTIN_VOICES", "NAME_RE", "PARAM_KEYS", "Voice", "VoiceError", "VoiceStore",
            "check_name", "check_speaker", "decode_speaker", "default_voices_dir",
@@ -64,12 +64,11 @@ MAX_SPEAKER_CHARS: Final = 8192  # as the protocol's voice limit
 _DEFAULTS: Final = SynthParams()
 
 
-class VoiceError(ValueError):
+class VoiceError(RttsError, ValueError):
     """A rejected voice operation; ``status`` is the HTTP status to answer with."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
+        super().__init__(message, code="invalid_voice")
         self.status = status
         self.param = param
 

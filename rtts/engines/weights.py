@@ -40,6 +40,7 @@ from typing import Any
 from rtts.config import default_home, default_model_dir
 from rtts.engines.checkpoint import _FILES as SHA256_KEYS
 from rtts.engines.checkpoint import is_random_checkpoint
+from rtts.errors import RttsError
 
 __all__ = ["ASSET_FILES", "HF_REPO", "Candidate", "HubUnavailable", "candidates", "download",
            "has_assets", "hf_cache_dir", "hf_cached_snapshot", "hub_endpoint",
@@ -58,7 +59,7 @@ ASSET_FILES = (
 DEFAULT_HUB_TIMEOUT_S = 5.0
 
 
-class HubUnavailable(RuntimeError):
+class HubUnavailable(RttsError, RuntimeError):
     """The hub could not be reached (or offline mode is on): no download attempted."""
 
 

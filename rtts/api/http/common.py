@@ -27,7 +27,7 @@ __all__ = ["ApiError", "api_error_response", "auth_api_error", "authorize", "b64
            "check_ready", "number_param", "read_body", "speech_options", "sse"]
 
 
-class ApiError(Exception):
+class ApiError(RttsError):
     """An error answered as ``{"error": {...}}`` with ``status`` (and optional headers)."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
@@ -35,7 +35,6 @@ class ApiError(Exception):
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.message = message
         self.type = type
         self.param = param
         self.code = code

@@ -82,7 +82,7 @@ def render_metrics(app: Service) -> str:
     lat = list(s.frame_latency_s)
     audio_gen = sch.audio_samples / app.engine.sample_rate
     lines = [
-        "# TYPE rtts_up gauge", f"rtts_up{{state=\"{app.state}\"}} 1",
+        "# TYPE rtts_up gauge", f"rtts_up{{state=\"{str(app.state)}\"}} 1",
         "# HELP rtts_weights_info the weights being served (kind: real, random, none)",
         "# TYPE rtts_weights_info gauge", _weights_info(app.weights()),
         "# TYPE rtts_active_connections gauge",

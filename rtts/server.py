@@ -27,7 +27,7 @@ from rtts.api.native.connection import Connection, ContextPipeline, NativeEndpoi
 from rtts.api.wyoming import WyomingListener
 from rtts.config import ServerConfig
 from rtts.core.governor import Level
-from rtts.core.service import Service, Stats
+from rtts.core.service import Service, State, Stats
 from rtts.engines.base import Engine
 from rtts.errors import CLOSE_GOING_AWAY
 from rtts.jobs.store import JobStore
@@ -109,7 +109,7 @@ class App(Service):
         :attr:`state`), and the speech endpoints 503 (``authorize`` does). The listening
         socket closes only when the drain ends. The job worker stops first: its unfinished
         segments go to other workers."""
-        self.state, self.state_reason = "draining", "draining: shutting down"
+        self.state, self.state_reason = State.DRAINING, "draining: shutting down"
         if self.job_worker is not None:
             await self.job_worker.stop()
         logger.info("draining %d connections and %d HTTP responses (grace %.1fs); /readyz "
@@ -176,9 +176,9 @@ async def run_server(config: ServerConfig, engine: Engine | None = None,
                 await app.start_jobs()
         yield app
     finally:
-        if app.state != "stopped":
+        if app.state != State.STOPPED:
             await app.drain_and_close()
-            app.state = "stopped"
+            app.state = State.STOPPED
 
 
 def bound_port(app: App) -> int:

@@ -35,7 +35,7 @@ from websockets.http11 import Request, Response
 
 from rtts.api.auth import Authenticator, AuthError
 from rtts.api.handshake import respond
-from rtts.core.service import Service
+from rtts.core.service import Service, State
 from rtts.errors import CLOSE_TRY_AGAIN_LATER, ErrorCode
 
 __all__ = ["ConnectionCounts", "Principal", "WsAdmission", "client_address", "refusal"]
@@ -146,7 +146,7 @@ class WsAdmission:
         unidentified: the handler must call :meth:`identify_later` before any work."""
         service = self.service
         cfg = self.config
-        if service.state != "ready":
+        if service.state != State.READY:
             return respond(503, f"not ready: {service.state_reason}\n",
                            extra=[("Retry-After", "1")])
         client = self._peer(connection, request)

@@ -46,7 +46,7 @@ from rtts.api.tasks import OwnedTasks
 from rtts.audio.pcm import float_to_pcm16
 from rtts.core.context import Audio, Done, SegmentFailed, SpeechContext
 from rtts.core.params import SynthParams
-from rtts.core.service import Service
+from rtts.core.service import Service, State
 from rtts.core.voicenames import OPENAI_VOICES, resolve_voice
 from rtts.errors import InternalError, ProtocolError, RttsError
 
@@ -214,7 +214,7 @@ class _Connection:
 
     def _open(self, voice_name: Any) -> SpeechContext:
         service = self.service
-        if service.state != "ready":
+        if service.state != State.READY:
             raise _BadEvent(f"not ready: {service.state_reason}", "unavailable")
         voice: str | None = None
         if voice_name is not None:

@@ -387,6 +387,7 @@ def safety_warnings(config: ServerConfig) -> list[str]:
 
 
 async def serve_until_signalled(config: ServerConfig) -> int:
+    from rtts.core.service import State
     from rtts.server import run_server
 
     # The engine runs on worker threads that hold the GIL between torch ops; the event
@@ -404,7 +405,7 @@ async def serve_until_signalled(config: ServerConfig) -> int:
     for warning in safety_warnings(config):
         logger.warning("%s", warning)
     async with run_server(config) as app:
-        if app.state == "failed":
+        if app.state == State.FAILED:
             logger.error("not serving: %s", app.state_reason)
             return 1
         logger.info("listening on ws://%s:%d%s (demo page http://%s:%d/, OpenAI-compatible "

@@ -22,6 +22,7 @@ import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,16 @@ __all__ = ["SegmentRecorder", "Service", "Source", "Stats"]
 logger = logging.getLogger("rtts.core")
 
 Source = RequestStream | CachedStream
+
+
+class State(StrEnum):
+    """Where a server is in its life: ``/readyz``, ``/v1/info``, ``rtts_up{state}``."""
+
+    LOADING = "loading"  # listening, the engine loading: /readyz 503
+    READY = "ready"
+    FAILED = "failed"  # the engine did not load: /readyz 503 with the reason
+    DRAINING = "draining"  # shutting down: in-flight work finishes, new work gets 503
+    STOPPED = "stopped"
 
 
 @dataclass
@@ -134,7 +145,7 @@ class Service:
         self.schedulers: dict[str, Scheduler] = {
             e.name: Scheduler(e, _scheduler_config(e, config.scheduler)) for e in engines}
         self.scheduler = self.schedulers[self.engine.name]
-        self.state = "loading"
+        self.state = State.LOADING
         self.state_reason = "model loading"
         self.stats = Stats()
         self.started_at = time.monotonic()
@@ -170,7 +181,7 @@ class Service:
                 gc.collect()
                 gc.freeze()
         except Exception as exc:
-            self.state = "failed"
+            self.state = State.FAILED
             self.state_reason = f"model load failed: {type(exc).__name__}: {exc}"
             logger.exception("engine %s failed to load", self.engine.name)
             raise
@@ -187,7 +198,7 @@ class Service:
                                         for e in self.engines.values())
         await self.cache.start()
         self._sampler = asyncio.create_task(self._sample_load(), name="rtts-governor")
-        self.state, self.state_reason = "ready", "ready"
+        self.state, self.state_reason = State.READY, "ready"
 
     async def stop_sampling(self) -> None:
         if self._sampler is not None:
@@ -332,7 +343,7 @@ class Service:
         return {"server": "rtts", "version": __version__, "engine": engine.name,
                 "weights": self.weights(),
                 "device": engine.device, "engine_sample_rate": engine.sample_rate,
-                "state": self.state, "ws_path": self.config.ws_path,
+                "state": str(self.state), "ws_path": self.config.ws_path,
                 "random_weights": engine.random_weights,
                 "instance": self.config.instance_id,
                 "cache": {"memory_mb": self.config.cache.memory_mb,

@@ -30,7 +30,7 @@ from rtts.api.jobs import JOBS_OPENAPI, JobEndpoints
 from rtts.api.openai import MAX_INPUT_CHARS, OPENAI_FORMATS, VOICES, OpenAIEndpoints
 from rtts.api.rest import RestEndpoints
 from rtts.api.voices import VOICES_OPENAPI, VoiceEndpoints
-from rtts.core.service import Service
+from rtts.core.service import Service, State
 from rtts.jobs.store import JobStore
 from rtts.metrics import render_metrics
 
@@ -50,7 +50,7 @@ def build_http_app(service: Service, auth: Authenticator,
         return PlainTextResponse("ok\n", headers=_NO_STORE)
 
     async def readyz(request: Request) -> Response:
-        ok = service.state == "ready"
+        ok = service.state == State.READY
         return PlainTextResponse(f"{service.state_reason}\n", status_code=200 if ok else 503,
                                  headers=_NO_STORE)
 

@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from rtts.api.auth import Authenticator, AuthError
 from rtts.core.params import SpeechOptions, parse_options
-from rtts.core.service import Service
+from rtts.core.service import Service, State
 from rtts.errors import ProtocolError, RttsError
 
 __all__ = ["ApiError", "api_error_response", "auth_api_error", "authorize", "b64",
@@ -58,7 +58,7 @@ def overloaded(message: str, status: int = 503) -> ApiError:
 
 
 def check_ready(service: Service) -> None:
-    if service.state != "ready":
+    if service.state != State.READY:
         raise ApiError(503, f"not ready: {service.state_reason}", type="server_error",
                        code="unavailable", headers={"Retry-After": "1"})
     try:

@@ -76,6 +76,22 @@ def _per_engine(service: Service) -> list[str]:
     return lines
 
 
+def _jobs(counters: dict[str, float]) -> list[str]:
+    """The job worker's segments by outcome, audio seconds stored and segments running."""
+    if not counters:
+        return []
+    return [
+        "# HELP rtts_job_segments_total job segments by outcome (stored, repeated: another "
+        "worker had it, preempted: gave its slot to a live stream, skipped, failed)",
+        "# TYPE rtts_job_segments_total counter",
+        *(f'rtts_job_segments_total{{outcome="{k}"}} {int(counters[k])}'
+          for k in ("stored", "repeated", "preempted", "skipped", "failed")),
+        "# TYPE rtts_job_audio_seconds_total counter",
+        f"rtts_job_audio_seconds_total {counters['audio_seconds']:.3f}",
+        "# TYPE rtts_job_segments_running gauge",
+        f"rtts_job_segments_running {int(counters['running'])}"]
+
+
 def render_metrics(app: Service) -> str:
     s, sch, cs = app.stats, app.scheduler, app.cache.stats
     ttfa = list(s.ttfa_s)
@@ -148,6 +164,7 @@ def render_metrics(app: Service) -> str:
         "# TYPE rtts_cache_memory_bytes gauge", f"rtts_cache_memory_bytes {app.cache.memory.bytes}",
         "# TYPE rtts_cache_memory_entries gauge",
         f"rtts_cache_memory_entries {len(app.cache.memory)}",
+        *_jobs(app.job_counters()),
         "# TYPE rtts_process_rss_bytes gauge",
         f"rtts_process_rss_bytes {psutil.Process().memory_info().rss}",
     ]

@@ -23,17 +23,17 @@ from rtts.api.auth import Authenticator
 from rtts.api.elevenlabs import PATH_PREFIX, ElevenLabsEndpoints
 from rtts.api.http.app import build_http_app
 from rtts.api.listener import HttpSide, sniffing_connection_factory
-from rtts.api.native.connection import Connection, ContextPipeline, NativeEndpoint
+from rtts.api.native.connection import Connection, NativeEndpoint
 from rtts.api.wyoming import WyomingListener
 from rtts.config import ServerConfig
 from rtts.core.governor import Level
-from rtts.core.service import Service, State, Stats
+from rtts.core.service import Service, State
 from rtts.engines.base import Engine
 from rtts.errors import CLOSE_GOING_AWAY
 from rtts.jobs.store import JobStore
 from rtts.jobs.worker import JobWorker
 
-__all__ = ["App", "Connection", "ContextPipeline", "Stats", "bound_port", "run_server"]
+__all__ = ["App", "bound_port", "run_server"]
 
 logger = logging.getLogger("rtts.server")
 
@@ -81,6 +81,14 @@ class App(Service):
 
     def active_http_requests(self) -> int:
         return self.http.busy
+
+    def job_counters(self) -> dict[str, float]:
+        if self.job_worker is None:
+            return {}
+        s = self.job_worker.stats
+        return {"stored": s.segments, "repeated": s.repeats, "preempted": s.preempted,
+                "skipped": s.skipped, "failed": s.failures, "audio_seconds": s.audio_s,
+                "running": s.busy}
 
     def apply_level(self, level: Level) -> None:
         """Propagate a governor level to the scheduler, sessions and clients."""

@@ -227,6 +227,10 @@ async def test_job_completes_and_its_audio_is_the_sum_of_its_segments(redis_url,
                 sizes.append(w.getnframes())
         assert sum(sizes) == frames and len(sizes) == 2 and all(sizes)
         assert app.job_worker is not None and app.job_worker.stats.segments == len(per_segment)
+        _, _, metrics = await ahttp("GET", f"{base}/metrics")
+        text = metrics.decode() if isinstance(metrics, bytes) else str(metrics)
+        assert f'rtts_job_segments_total{{outcome="stored"}} {len(per_segment)}' in text
+        assert "rtts_job_segments_running 0" in text
 
 
 async def test_download_follows_a_running_job_and_mp3_plays(redis_url, tmp_path):

@@ -167,9 +167,7 @@ class OpenAIEndpoints:
 
 
 async def _sse(stream: SpeechBody, input_chars: int) -> Any:
-    audio_bytes = 0
     async for data in stream.chunks():
-        audio_bytes += len(data)
         yield sse({"type": "speech.audio.delta", "audio": b64(data)})
     if stream.error is not None:
         yield sse({"type": "error", "error": {"message": stream.error.message,

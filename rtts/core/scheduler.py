@@ -179,7 +179,6 @@ class Scheduler:
         )
         self._tasks: set[asyncio.Task[None]] = set()
         self._dispatcher: asyncio.Task[None] | None = None
-        self._seq = 0
         self.running_batches = 0
         self.batch_sizes: Counter[int] = Counter()
         self.joined = 0  # requests that joined a batch already running (continuous)

@@ -260,6 +260,10 @@ class Service:
     def active_contexts(self) -> int:
         return 0
 
+    def job_counters(self) -> dict[str, float]:
+        """This instance's job worker's counters (none without a worker)."""
+        return {}
+
     def active_http_requests(self) -> int:
         """HTTP requests being answered (a streamed speech body counts until it ends)."""
         return 0

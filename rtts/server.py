@@ -47,7 +47,7 @@ class App(Service):
         self.server: Server | None = None
         self.auth = Authenticator(config.auth)
         self.native = NativeEndpoint(self, self.auth)
-        self.elevenlabs = ElevenLabsEndpoints(self, self.auth, self.native)
+        self.elevenlabs = ElevenLabsEndpoints(self, self.auth, self.native.admission)
         # long-text jobs: the API wherever a queue is configured, a worker with --jobs
         self.jobs = JobStore(config.jobs) if config.jobs.redis_url else None
         self.job_worker: JobWorker | None = None

@@ -38,7 +38,7 @@ import urllib.parse
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import orjson
 from starlette.requests import Request
@@ -49,7 +49,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request as WsRequest
 from websockets.http11 import Response as WsResponse
 
-from rtts.api.admission import Principal
+from rtts.api.admission import Principal, WsAdmission
 from rtts.api.auth import Authenticator, AuthError
 from rtts.api.handshake import respond
 from rtts.api.http.common import ApiError, b64, read_body
@@ -72,9 +72,6 @@ from rtts.errors import (
 )
 from rtts.text.segmenter import DEFAULT_SCHEDULE
 from rtts.text.timings import CharTimings, estimate
-
-if TYPE_CHECKING:
-    from rtts.api.native.connection import NativeEndpoint
 
 __all__ = ["PATH_PREFIX", "ClientMessage", "ElevenError", "ElevenLabsEndpoints",
            "OutputFormat", "parse_message", "parse_output_format", "resolve_voice_id",
@@ -573,12 +570,12 @@ class ElevenLabsEndpoints:
     """The ElevenLabs-compatible sockets (handshake + handler) and HTTP routes."""
 
     def __init__(self, service: Service, auth: Authenticator,
-                 native: NativeEndpoint | None = None) -> None:
+                 admission: WsAdmission | None = None) -> None:
         self.service = service
         self.auth = auth
-        # the native endpoint, whose handshake checks the sockets reuse; None for an
-        # HTTP-only instance
-        self.native = native
+        # the WebSocket admission the sockets share with the native one (one count of
+        # connections and sessions per key); None for an HTTP-only instance
+        self.admission = admission
         self.sockets: set[_Socket] = set()
 
     # -- WebSocket handshake and handler
@@ -593,30 +590,30 @@ class ElevenLabsEndpoints:
             return respond(404, "not found: the ElevenLabs sockets are "
                                 "/v1/text-to-speech/{voice_id}/stream-input and "
                                 "/multi-stream-input\n")
-        assert self.native is not None
-        return self.native.admission.handshake(connection, request,
+        assert self.admission is not None
+        return self.admission.handshake(connection, request,
                                                key=request.headers.get("xi-api-key"),
                                                key_later=True)
 
     def admit_first_message(self, principal: Principal, msg: ClientMessage) -> None:
         """A key (``xi_api_key``) or ``authorization`` in the first message, when the
         handshake had none; the same identify and admit as the handshake."""
-        assert self.native is not None
+        assert self.admission is not None
         try:
-            self.native.admission.identify_later(principal, msg.authorization,
+            self.admission.identify_later(principal, msg.authorization,
                                                  msg.xi_api_key)
         except AuthError as exc:
             raise ElevenError(exc.reason, "invalid_api_key" if exc.status == 401 else
                               "quota_exceeded", close=CLOSE_POLICY_VIOLATION) from None
 
     async def handle(self, ws: ServerConnection) -> None:
-        assert self.native is not None
+        assert self.admission is not None
         kind = socket_kind(ws.request.path if ws.request is not None else "")
         assert kind is not None
         voice_id, multi = kind
         query = {k: v[0] for k, v in urllib.parse.parse_qs(
             urllib.parse.urlsplit(ws.request.path if ws.request else "").query).items()}
-        async with self.native.admission.session(ws) as principal:
+        async with self.admission.session(ws) as principal:
             if principal is None:
                 return
             sock = _Socket(self, ws, voice_id, multi, query, principal)

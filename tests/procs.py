@@ -59,30 +59,34 @@ def _stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: flo
 @contextlib.contextmanager
 def start_redis(workdir: Path) -> Iterator[str]:
     port = free_port()
+    out = (workdir / "redis.log").open("wb")
     proc = subprocess.Popen(
         [shutil.which("redis-server") or "redis-server", "--port", str(port),
          "--bind", "127.0.0.1", "--dir", str(workdir), "--save", "", "--appendonly", "no"],
-        stdout=(workdir / "redis.log").open("wb"), stderr=subprocess.STDOUT)
+        stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_port(port)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         _stop(proc)
+        out.close()
 
 
 @contextlib.contextmanager
 def start_rtts(args: list[str], port: int, log: Path,
                env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
     """``python -m rtts serve --port PORT ARGS``; yields once ``/readyz`` is 200."""
+    out = log.open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "rtts", "serve", "--host", "127.0.0.1", "--port", str(port),
-         *args], stdout=log.open("wb"), stderr=subprocess.STDOUT,
+         *args], stdout=out, stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})})
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz")
         yield proc
     finally:
         _stop(proc)
+        out.close()
 
 
 NGINX_CONF = """

@@ -54,7 +54,9 @@ def test_output_formats_map_to_codecs_and_bad_ones_are_refused():
     mp3 = parse_output_format(None)  # ElevenLabs' default
     assert (mp3.codec, mp3.sample_rate, mp3.bit_rate) == ("mp3", 44100, 128000)
     assert parse_output_format("opus_48000_64").bit_rate == 64000
-    for bad in ("pcm_12345", "mp3_44100", "wav", "opus_24000_64", "pcm_x"):
+    wav = parse_output_format("wav_24000")  # litellm's response_format="wav"
+    assert (wav.codec, wav.sample_rate) == ("wav", 24000)
+    for bad in ("pcm_12345", "mp3_44100", "wav", "wav_12345", "opus_24000_64", "pcm_x"):
         with pytest.raises(ElevenError):
             parse_output_format(bad)
 
@@ -332,9 +334,20 @@ async def test_stream_input_bad_input_gets_error_message_and_close_code():
             with pytest.raises(ConnectionClosed):
                 await ws.recv()
             assert ws.close_code == 1000
-        for query, first in [("?output_format=wav", {"text": " "}),
-                             ("?inactivity_timeout=9999", {"text": " "}),
-                             ("", "not json"), ("", {"text": 5}),
+        # what the URL sets is checked at the handshake, as the key is: an unknown voice,
+        # a bad format or timeout never opens a socket that then closes
+        for path, want in [("/v1/text-to-speech/bad%20voice!/stream-input", 400),
+                           ("/v1/text-to-speech/alloy/stream-input?output_format=wav", 422),
+                           ("/v1/text-to-speech/alloy/multi-stream-input"
+                            "?inactivity_timeout=9999", 400)]:
+            with pytest.raises(InvalidStatus) as info:
+                async with connect(base.split("/v1/")[0] + path,
+                                   additional_headers={"xi-api-key": "sekrit"}):
+                    pass
+            assert info.value.response.status_code == want, path
+            detail = json.loads(info.value.response.body)["detail"]
+            assert detail["status"] and detail["message"]
+        for query, first in [("", "not json"), ("", {"text": 5}),
                              ("", {"text": " ", "generation_config": {
                                  "chunk_length_schedule": ["x"]}})]:
             async with connect(base + query, additional_headers={"xi-api-key": "sekrit"}

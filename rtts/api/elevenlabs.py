@@ -19,9 +19,21 @@ HTTP: ``POST /v1/text-to-speech/{voice_id}`` and ``/stream`` (the audio, streame
 
 Alignment: rtts has no aligner; each segment's characters get estimated timings
 (:mod:`rtts.text.timings`) once the segment's audio is complete, so a segment's
-``alignment`` arrives in an extra message (``"audio": ""``) right after its last audio, with
-times in ms from that segment's start; the characters include the whitespace between
-segments, so all ``chars`` of a context joined give back its text.
+``alignment`` arrives in an extra message (``"audio": ""``) right after its last audio; the
+characters include the whitespace between segments, so all ``chars`` of a context joined
+give back its text. Times are in ms from that message's audio, the way ElevenLabs documents
+them ("relative to the returned chunk", the ``elevenlabs`` SDK's ``Alignment``) and pipecat
+reads them (it adds each message's span to a running clock); with ``sync_alignment=true``
+in the URL (LiveKit's plugin always sends it, and reads the times as running from the
+context's start) they run from the start of the context's audio instead. Both clients'
+word timelines then increase through a reply.
+
+``auto_mode=true`` (pipecat and LiveKit send it when they send whole sentences): every text
+message is spoken at once, as if flushed; without it rtts cuts at punctuation.
+
+The URL's voice, ``output_format`` and ``inactivity_timeout`` are checked at the handshake:
+a bad one is refused with an HTTP status and ``{"detail": {"status", "message"}}``, as a
+wrong key is, so no client sees an accepted socket close before it has registered.
 
 Errors: the socket sends ElevenLabs' error message ``{"message", "error", "code"}`` (and
 ``contextId`` on multi-stream-input) and closes with ``code`` (1008 for bad input, 1013 when
@@ -35,6 +47,7 @@ import contextlib
 import logging
 import re
 import urllib.parse
+import weakref
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -127,7 +140,8 @@ class OutputFormat:
 
 
 def parse_output_format(value: str | None) -> OutputFormat:
-    """``pcm_8000``…``pcm_48000``, ``ulaw_8000``, ``alaw_8000``, ``mp3_RATE_KBPS``,
+    """``pcm_8000``…``pcm_48000``, ``wav_8000``…``wav_48000`` (what litellm asks for when
+    told ``response_format="wav"``), ``ulaw_8000``, ``alaw_8000``, ``mp3_RATE_KBPS``,
     ``opus_48000_KBPS`` -> :class:`OutputFormat`, else :class:`ElevenError`."""
     name = value or DEFAULT_FORMAT
     parts = name.split("_")
@@ -138,6 +152,8 @@ def parse_output_format(value: str | None) -> OutputFormat:
     kind = parts[0]
     if kind == "pcm" and len(nums) == 1 and nums[0] in _PCM_RATES:
         return OutputFormat(name, "pcm16", nums[0])
+    if kind == "wav" and len(nums) == 1 and nums[0] in _PCM_RATES:
+        return OutputFormat(name, "wav", nums[0])
     if kind in ("ulaw", "alaw") and nums == [8000]:
         return OutputFormat(name, "mulaw" if kind == "ulaw" else "alaw", 8000)
     if kind == "mp3" and len(nums) == 2 and (nums[0], nums[1]) in _MP3:
@@ -145,8 +161,9 @@ def parse_output_format(value: str | None) -> OutputFormat:
     if kind == "opus" and len(nums) == 2 and nums[0] == 48000 and nums[1] in _OPUS_KBPS:
         return OutputFormat(name, "opus", 48000, nums[1] * 1000)
     raise ElevenError(f"invalid output_format {name[:64]!r}: use pcm_8000|16000|22050|24000|"
-                      "32000|44100|48000, ulaw_8000, alaw_8000, mp3_44100_128 (and the other "
-                      "mp3_RATE_KBPS), or opus_48000_32|64|96|128|192",
+                      "32000|44100|48000 (or wav_ at the same rates), ulaw_8000, alaw_8000, "
+                      "mp3_44100_128 (and the other mp3_RATE_KBPS), or "
+                      "opus_48000_32|64|96|128|192",
                       "invalid_output_format", status=422)
 
 
@@ -265,6 +282,10 @@ def socket_kind(path: str) -> tuple[str, bool] | None:
     return urllib.parse.unquote(m.group(1)), m.group(2) == "multi-stream-input"
 
 
+def _query(path: str) -> dict[str, str]:
+    return {k: v[0] for k, v in urllib.parse.parse_qs(urllib.parse.urlsplit(path).query).items()}
+
+
 def _bool(value: str | None, default: bool) -> bool:
     if value is None:
         return default
@@ -278,6 +299,40 @@ def seconds_alignment(timings: CharTimings) -> dict[str, list[str] | list[float]
             "character_end_times_seconds": [(s + d) / 1000 for s, d in
                                             zip(timings.start_ms, timings.duration_ms,
                                                 strict=True)]}
+
+
+@dataclass(frozen=True, slots=True)
+class SocketOptions:
+    """What an input-streaming socket's URL sets, checked before the upgrade is accepted."""
+
+    fmt: OutputFormat
+    voice: str
+    inactivity_s: float = DEFAULT_INACTIVITY_S
+    auto_mode: bool = False
+    normalize: bool = True
+    sync_alignment: bool = False
+
+
+def socket_options(voice_id: str, query: dict[str, str], service: Service) -> SocketOptions:
+    """The URL's voice and query -> :class:`SocketOptions`, or :class:`ElevenError` (answered
+    at the handshake with its HTTP status, so a client never sees an accepted socket close
+    before it has sent anything)."""
+    fmt = parse_output_format(query.get("output_format"))
+    voice = resolve_voice_id(voice_id, service)
+    inactivity_s = DEFAULT_INACTIVITY_S
+    raw = query.get("inactivity_timeout")
+    if raw is not None:
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = -1.0
+        if not 1 <= seconds <= MAX_INACTIVITY_S:
+            raise ElevenError(f"inactivity_timeout must be 1-{MAX_INACTIVITY_S:.0f} "
+                              "seconds", "invalid_inactivity_timeout")
+        inactivity_s = seconds
+    return SocketOptions(fmt, voice, inactivity_s, auto_mode=_bool(query.get("auto_mode"), False),
+                         normalize=query.get("apply_text_normalization", "auto").lower() != "off",
+                         sync_alignment=_bool(query.get("sync_alignment"), False))
 
 
 # -- the text an alignment covers --------------------------------------------------------
@@ -325,10 +380,11 @@ class _Context:
         self.cid = cid
         self.sock = sock
         self.speech = service.open_context(params, schedule=schedule, normalize=sock.normalize)
-        fmt = sock.fmt
+        fmt = sock.options.fmt
         self.encoder: Encoder = open_encoder(fmt.codec, service.sample_rate,
                                              fmt.sample_rate, fmt.bit_rate)
         self.aligner = _Aligner()
+        self.offset_ms = 0  # audio sent before the current segment (sync_alignment)
         self.chars = 0
         self.ended = False
         self.task: asyncio.Task[None] | None = None
@@ -360,8 +416,12 @@ class _Context:
                     spans[event.index] = (event.start, event.end, event.spoken)
                 elif isinstance(event, SegmentDone):
                     start, end, spoken = spans.pop(event.index)
-                    written, said = self.aligner.segment(start, end, spoken,
-                                                         event.samples * 1000 / rate)
+                    ms = event.samples * 1000 / rate
+                    written, said = self.aligner.segment(start, end, spoken, ms)
+                    if sock.options.sync_alignment:  # times from the context's start
+                        written = written.shifted(self.offset_ms)
+                        said = said.shifted(self.offset_ms)
+                    self.offset_ms += round(ms)
                     await sock.send(self._msg(audio="", alignment=written.as_dict(),
                                               normalizedAlignment=said.as_dict()))
                 elif isinstance(event, SegmentFailed):
@@ -396,20 +456,18 @@ class _Context:
 class _Socket:
     """One ElevenLabs input-streaming connection: reader loop, one task per context."""
 
-    def __init__(self, endpoint: ElevenLabsEndpoints, ws: ServerConnection, voice_id: str,
-                 multi: bool, query: dict[str, str], principal: Principal) -> None:
+    def __init__(self, endpoint: ElevenLabsEndpoints, ws: ServerConnection,
+                 options: SocketOptions, multi: bool, principal: Principal) -> None:
         self.endpoint = endpoint
         self.ws = ws
-        self.voice_id = voice_id
+        self.options = options
         self.multi = multi
-        self.query = query
         self.principal = principal  # kid None: the key must come in the first message
         self.contexts: dict[str | None, _Context] = {}
-        self.fmt = OutputFormat(DEFAULT_FORMAT, "mp3", 44100, 128000)
-        self.voice = ""
-        self.auto_mode = _bool(query.get("auto_mode"), False)
-        self.normalize = query.get("apply_text_normalization", "auto").lower() != "off"
-        self.inactivity_s = DEFAULT_INACTIVITY_S
+        self.voice = options.voice
+        self.auto_mode = options.auto_mode
+        self.normalize = options.normalize
+        self.inactivity_s = options.inactivity_s
         self._closing = False
         self._input_ended = False
         self._tasks = OwnedTasks()
@@ -432,18 +490,6 @@ class _Socket:
 
     def _configure(self) -> None:
         service = self.endpoint.service
-        self.fmt = parse_output_format(self.query.get("output_format"))
-        self.voice = resolve_voice_id(self.voice_id, service)
-        raw = self.query.get("inactivity_timeout")
-        if raw is not None:
-            try:
-                seconds = float(raw)
-            except ValueError:
-                seconds = -1.0
-            if not 1 <= seconds <= MAX_INACTIVITY_S:
-                raise ElevenError(f"inactivity_timeout must be 1-{MAX_INACTIVITY_S:.0f} "
-                                  "seconds", "invalid_inactivity_timeout")
-            self.inactivity_s = seconds
         if service.rejecting:
             service.stats.rejected += 1
             raise ElevenError(f"server overloaded ({service.governor.reason}); retry later",
@@ -529,7 +575,10 @@ class _Socket:
             ctx = self._open(cid, msg)
         if msg.text:
             ctx.feed(msg.text)
-        if msg.flush:
+        # auto_mode: each message is a whole sentence or phrase, spoken without waiting for
+        # more (ElevenLabs: it "disables the chunk schedule and all buffers"); pipecat sends
+        # an LLM reply sentence by sentence this way, without a flush
+        if msg.flush or (self.auto_mode and msg.text and msg.text.strip()):
             ctx.speech.flush()
 
     def _open(self, cid: str | None, msg: ClientMessage) -> _Context:
@@ -577,6 +626,8 @@ class ElevenLabsEndpoints:
         # connections and sessions per key); None for an HTTP-only instance
         self.admission = admission
         self.sockets: set[_Socket] = set()
+        self._options: weakref.WeakKeyDictionary[ServerConnection, SocketOptions] = (
+            weakref.WeakKeyDictionary())
 
     # -- WebSocket handshake and handler
 
@@ -586,14 +637,26 @@ class ElevenLabsEndpoints:
         origin, key, quotas: :class:`~rtts.api.admission.WsAdmission`), with
         ``xi-api-key`` read as the key. Without any key while keys are required, the
         upgrade goes through and the first message must carry ``xi_api_key``."""
-        if socket_kind(request.path) is None:
+        kind = socket_kind(request.path)
+        if kind is None:
             return respond(404, "not found: the ElevenLabs sockets are "
                                 "/v1/text-to-speech/{voice_id}/stream-input and "
                                 "/multi-stream-input\n")
         assert self.admission is not None
-        return self.admission.handshake(connection, request,
-                                               key=request.headers.get("xi-api-key"),
-                                               key_later=True)
+        refused = self.admission.handshake(connection, request,
+                                           key=request.headers.get("xi-api-key"),
+                                           key_later=True)
+        if refused is not None:
+            return refused
+        try:  # an unknown voice or a bad query: refused now, as a wrong key is
+            self._options[connection] = socket_options(kind[0], _query(request.path),
+                                                       self.service)
+        except ElevenError as exc:
+            self.service.stats.protocol_errors += 1
+            return respond(exc.status, orjson.dumps(
+                {"detail": {"status": exc.error, "message": exc.message}}),
+                content_type="application/json")
+        return None
 
     def admit_first_message(self, principal: Principal, msg: ClientMessage) -> None:
         """A key (``xi_api_key``) or ``authorization`` in the first message, when the
@@ -611,12 +674,14 @@ class ElevenLabsEndpoints:
         kind = socket_kind(ws.request.path if ws.request is not None else "")
         assert kind is not None
         voice_id, multi = kind
-        query = {k: v[0] for k, v in urllib.parse.parse_qs(
-            urllib.parse.urlsplit(ws.request.path if ws.request else "").query).items()}
+        options = self._options.pop(ws, None)
         async with self.admission.session(ws) as principal:
             if principal is None:
                 return
-            sock = _Socket(self, ws, voice_id, multi, query, principal)
+            if options is None:  # pragma: no cover - the handshake always sets them
+                options = socket_options(voice_id, _query(ws.request.path if ws.request
+                                                          else ""), self.service)
+            sock = _Socket(self, ws, options, multi, principal)
             self.sockets.add(sock)
             self.service.stats.connections_total += 1
             try:

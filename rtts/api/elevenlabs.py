@@ -65,14 +65,14 @@ from websockets.http11 import Response as WsResponse
 from rtts.api.admission import Principal, WsAdmission
 from rtts.api.auth import Authenticator, AuthError
 from rtts.api.handshake import respond
-from rtts.api.http.common import ApiError, b64, read_body
+from rtts.api.http.common import ApiError, authorize_listing, b64, read_body
 from rtts.api.http.speech import SpeechBody, SpeechRequest, speak
 from rtts.api.tasks import OwnedTasks
 from rtts.audio.codecs import Encoder, codec_for, open_encoder
 from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
 from rtts.core.params import SynthParams
 from rtts.core.service import Service
-from rtts.core.voicenames import resolve_voice, speed_from_factor
+from rtts.core.voicenames import OPENAI_VOICES, resolve_voice, speed_from_factor
 from rtts.errors import (
     CLOSE_GOING_AWAY,
     CLOSE_NORMAL,
@@ -706,6 +706,56 @@ class ElevenLabsEndpoints:
                 Route(base + "/stream/with-timestamps", self.timestamps, methods=["POST"]),
                 Route(base + "/with-timestamps", self.timestamps, methods=["POST"])]
 
+    def listing(self) -> dict[str, Any]:
+        """ElevenLabs' listing GETs, by path: ``/v1/voices``, ``/v1/voices/{name}`` and
+        ``/v1/models`` are also rtts's and OpenAI's paths, so the HTTP app answers a request
+        that carries ``xi-api-key`` (every ElevenLabs client sends it: LiveKit, Open WebUI,
+        the SDK) with these and any other with the rtts/OpenAI shape."""
+        return {"/v1/voices": self.list_voices, "/v1/voices/{name}": self.get_voice,
+                "/v1/models": self.list_models}
+
+    def _voices(self) -> list[dict[str, Any]]:
+        builtin = [_voice_entry(name, "premade", "OpenAI voice name; a fixed rtts speaker")
+                   for name in OPENAI_VOICES]
+        named = [_voice_entry(v.name, "generated", "rtts named voice")
+                 for v in self.service.voices.list() if v.name not in OPENAI_VOICES]
+        return builtin + named
+
+    async def list_voices(self, request: Request) -> Response:
+        """``GET /v1/voices``: ``{"voices": [{"voice_id", "name", "category", ...}]}``, every
+        voice id this server speaks by name (any other short id is a seeded speaker)."""
+        try:
+            authorize_listing(self.auth, self.service, request,
+                              key=request.headers.get("xi-api-key"))
+        except ApiError as exc:
+            return _http_error(exc.status, exc.code or "error", exc.message, exc.headers)
+        voices = self._voices()
+        return JSONResponse({"voices": voices, "has_more": False, "total_count": len(voices),
+                             "next_page_token": None}, headers={"Cache-Control": "no-store"})
+
+    async def get_voice(self, request: Request) -> Response:
+        try:
+            authorize_listing(self.auth, self.service, request,
+                              key=request.headers.get("xi-api-key"))
+        except ApiError as exc:
+            return _http_error(exc.status, exc.code or "error", exc.message, exc.headers)
+        name = request.path_params["name"]
+        for voice in self._voices():
+            if voice["voice_id"] == name:
+                return JSONResponse(voice, headers={"Cache-Control": "no-store"})
+        return _http_error(404, "voice_not_found", f"no voice with id {name[:64]!r}", {})
+
+    async def list_models(self, request: Request) -> Response:
+        """``GET /v1/models``: ElevenLabs' JSON array of models. Every id is this server's
+        engine; the ids are the ones ElevenLabs clients default to."""
+        try:
+            authorize_listing(self.auth, self.service, request,
+                              key=request.headers.get("xi-api-key"))
+        except ApiError as exc:
+            return _http_error(exc.status, exc.code or "error", exc.message, exc.headers)
+        return JSONResponse([_model_entry(m, n) for m, n in _MODELS],
+                            headers={"Cache-Control": "no-store"})
+
     async def speech(self, request: Request) -> Response:
         return await self._answer(request, timestamps=False)
 
@@ -795,6 +845,30 @@ def _line(audio: bytes, written: CharTimings | None, said: CharTimings | None) -
         "alignment": None if written is None else seconds_alignment(written),
         "normalized_alignment": None if said is None else seconds_alignment(said),
     }) + b"\n"
+
+
+# ElevenLabs' model ids clients default to (LiveKit: eleven_turbo_v2_5, pipecat and the SDK:
+# eleven_flash_v2_5 / eleven_multilingual_v2), all served by this server's engine
+_MODELS: Final = (("eleven_flash_v2_5", "Flash v2.5 (rtts)"),
+                  ("eleven_turbo_v2_5", "Turbo v2.5 (rtts)"),
+                  ("eleven_multilingual_v2", "Multilingual v2 (rtts)"),
+                  ("rtts", "rtts"))
+
+
+def _voice_entry(name: str, category: str, description: str) -> dict[str, Any]:
+    return {"voice_id": name, "name": name, "category": category, "labels": {},
+            "description": description, "preview_url": None, "settings": None,
+            "available_for_tiers": [], "high_quality_base_model_ids": [m for m, _ in _MODELS],
+            "verified_languages": []}
+
+
+def _model_entry(model_id: str, name: str) -> dict[str, Any]:
+    return {"model_id": model_id, "name": name, "can_do_text_to_speech": True,
+            "can_do_voice_conversion": False, "can_be_finetuned": False,
+            "can_use_style": False, "can_use_speaker_boost": False,
+            "serves_pro_voices": False, "requires_alpha_access": False,
+            "token_cost_factor": 1.0, "description": "served by rtts",
+            "maximum_text_length_per_request": MAX_TEXT_CHARS, "languages": []}
 
 
 def _http_error(status: int, code: str, message: str, headers: dict[str, str]) -> Response:

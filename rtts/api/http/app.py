@@ -101,10 +101,17 @@ def build_http_app(service: Service, auth: Authenticator,
         return api_error_response(ApiError(500, "internal server error", type="server_error",
                                            code="internal_error"))
 
+    eleven = ElevenLabsEndpoints(service, auth)
     api_routes = [*RestEndpoints(service, auth).routes(), *OpenAIEndpoints(service, auth).routes(),
                   *VoiceEndpoints(service, auth).routes(),
-                  *ElevenLabsEndpoints(service, auth).routes(),
+                  *eleven.routes(),
                   *(JobEndpoints(service, auth, jobs).routes() if jobs is not None else [])]
+    # /v1/voices and /v1/models are rtts's (or OpenAI's) and ElevenLabs' paths: a GET with
+    # ElevenLabs' key header gets ElevenLabs' shapes
+    eleven_gets = eleven.listing()
+    api_routes = [Route(r.path, _by_protocol(eleven_gets[r.path], r.endpoint),
+                        methods=list(r.methods or ())) if r.path in eleven_gets else r
+                  for r in api_routes]
     api_methods = {r.path: set(r.methods or ()) - {"HEAD"} for r in api_routes
                    if "{" not in r.path}
     routes = [
@@ -125,6 +132,17 @@ def build_http_app(service: Service, auth: Authenticator,
     return Starlette(routes=routes, middleware=middleware, exception_handlers={
         ApiError: on_api_error, HTTPException: on_http_error, ClientDisconnect: on_disconnect,
         Exception: on_error})
+
+
+def _by_protocol(eleven: Any, other: Any) -> Any:
+    async def endpoint(request: Request) -> Response:
+        if request.method == "GET" and "xi-api-key" in request.headers:
+            response: Response = await eleven(request)
+        else:
+            response = await other(request)
+        return response
+
+    return endpoint
 
 
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:/+=-]{1,128}$")

@@ -15,6 +15,7 @@ import base64
 import contextlib
 import io
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ from rtts.api.elevenlabs import (
     resolve_voice_id,
     socket_kind,
 )
-from rtts.server import bound_port
+from rtts.server import bound_port, run_server
 
 TEXT = "Hello there, friend. How are you today? I am fine, thanks for asking."
 
@@ -491,3 +492,128 @@ async def test_shutdown_drains_then_closes_open_sockets_with_1001():
             while True:
                 await ws.recv()
     assert ws.close_code == 1001
+
+
+# -- pipecat fed an LLM reply: its aggregator sends sentence by sentence, no trailing space ---
+
+
+def _pipecat_llm_run(port: int, sentences: list[str], token_s: float) -> dict[str, Any]:
+    """An LLM reply token by token (``LLMTextFrame``s between the response start and end
+    frames, ``token_s`` apart) into pipecat's ElevenLabsTTSService, in its own pipeline;
+    records when tokens went in and audio came out, the audio, and the word frames."""
+    from pipecat.frames.frames import (
+        EndFrame,
+        LLMFullResponseEndFrame,
+        LLMFullResponseStartFrame,
+        LLMTextFrame,
+        TTSAudioRawFrame,
+        TTSTextFrame,
+    )
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.runner import PipelineRunner
+    from pipecat.pipeline.task import PipelineParams, PipelineTask
+    from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+    from pipecat.services.elevenlabs.tts import ElevenLabsTTSService
+
+    out: dict[str, Any] = {"audio": bytearray(), "first_audio": None, "words": [],
+                           "sentence_done": [], "reply_done": None}
+
+    class Sink(FrameProcessor):
+        async def process_frame(self, frame: Any, direction: FrameDirection) -> None:
+            await super().process_frame(frame, direction)
+            if isinstance(frame, TTSAudioRawFrame):
+                out["audio"] += frame.audio
+                if out["first_audio"] is None:
+                    out["first_audio"] = time.monotonic()
+            elif isinstance(frame, TTSTextFrame):
+                out["words"].append((frame.text, frame.pts))
+            await self.push_frame(frame, direction)
+
+    async def main() -> None:
+        tts = ElevenLabsTTSService(api_key="k", settings=ElevenLabsTTSService.Settings(
+                                       voice="21m00Tcm4TlvDq8ikWAM"),
+                                   url=f"ws://127.0.0.1:{port}", sample_rate=24000)
+        task = PipelineTask(Pipeline([tts, Sink()]),
+                            params=PipelineParams(audio_out_sample_rate=24000))
+
+        async def llm() -> None:
+            await asyncio.sleep(0.5)  # the pipeline has started
+            await task.queue_frame(LLMFullResponseStartFrame())
+            for sentence in sentences:
+                tokens = re.findall(r"\s*[^\s.]+|\.", sentence)  # " dog", "." as LLMs do
+                for i, token in enumerate(tokens):
+                    await task.queue_frame(LLMTextFrame(token if i or sentence is sentences[0]
+                                                        else " " + token.lstrip()))
+                    await asyncio.sleep(token_s)
+                out["sentence_done"].append(time.monotonic())
+            out["reply_done"] = time.monotonic()
+            await task.queue_frame(LLMFullResponseEndFrame())
+            await asyncio.sleep(1.0)
+            await task.queue_frame(EndFrame())
+
+        producer = asyncio.create_task(llm())
+        await asyncio.wait_for(PipelineRunner(handle_sigint=False).run(task), 90)
+        await producer
+
+    asyncio.run(main())
+    return out
+
+
+async def _pipecat_llm(app: Any, sentences: list[str], token_s: float) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        result.update(_pipecat_llm_run(bound_port(app), sentences, token_s))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    await asyncio.to_thread(thread.join, 120)
+    assert not thread.is_alive()
+    return result
+
+
+async def test_pipecat_llm_reply_speaks_each_sentence_as_it_arrives():
+    """First audio while the LLM is still producing (not at pipecat's final flush), and the
+    word times pipecat derives increase through the reply and span its audio."""
+    sentences = ["The quick brown fox jumps over the lazy dog.", "Please call me back soon.",
+                 "I will be at home tonight.", "Bring the blue folder.", "We can finish then."]
+    async with server() as (app, _):
+        got = await _pipecat_llm(app, sentences, token_s=0.08)
+    assert got["first_audio"] is not None
+    # audio of the first sentence came before the reply ended: it was cut and spoken then
+    assert got["first_audio"] < got["sentence_done"][2], (
+        got["first_audio"] - got["sentence_done"][0])
+    words = [w for w, _ in got["words"]]
+    assert " ".join(words).split() == " ".join(sentences).split()
+    pts = [p for _, p in got["words"]]
+    assert pts == sorted(pts) and len(set(pts)) == len(pts), repr(got["words"])
+    audio_ns = len(got["audio"]) / 2 / 24000 * 1e9
+    span = pts[-1] - pts[0]
+    assert 0.6 * audio_ns < span < audio_ns, (span / 1e9, audio_ns / 1e9)
+
+
+async def test_pipecat_llm_reply_on_the_piper_voice_is_heard_without_the_periods():
+    """Speech recognition on the piper voice: pipecat's sentences ("...lazy dog." then
+    "Please call me...") must not be joined into "dog.Please" and read with the period."""
+    ti = pytest.importorskip("test_intelligibility")
+    import numpy as np
+
+    from rtts.config import EngineConfig
+
+    cfg = base_config(engine=EngineConfig(name="piper", voice_models=(ti.JOE,)))
+    async with run_server(cfg) as app:
+        assert app.state == "ready", app.state_reason
+        got = await _pipecat_llm(app, list(ti.SENTENCES), token_s=0.03)
+    audio = np.frombuffer(bytes(got["audio"]), "<i2").astype(np.float32) / 32768
+    recognize = ti.Recognizer()
+    heard = recognize(audio, 24000)
+    from piper import PiperVoice
+
+    voice = PiperVoice.load(ti.JOE)
+    direct = np.concatenate([c.audio_float_array for c in voice.synthesize(ti.TEXT)])
+    reference = recognize(direct, voice.config.sample_rate)
+    print(f"WER through pipecat+rtts {heard.wer:.3f} ({heard.hypothesis!r}), piper direct "
+          f"{reference.wer:.3f}")
+    assert heard.wer <= reference.wer + ti.MARGIN, (heard.hypothesis, reference.hypothesis)
+    assert got["first_audio"] < got["sentence_done"][-1]
+

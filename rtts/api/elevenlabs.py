@@ -340,7 +340,10 @@ def socket_options(voice_id: str, query: dict[str, str], service: Service) -> So
 
 class _Aligner:
     """A context's input text and where the last segment ended: each segment's alignment
-    covers the text since the previous segment (the whitespace between them included)."""
+    covers the text since the previous segment (the whitespace between them included).
+    Where two sentences were joined with no space (``dog.Please``: pipecat sends each
+    sentence without its trailing space), the second segment's alignment starts with one,
+    so a client that splits words at spaces does not read ``dog.Please`` as one word."""
 
     def __init__(self) -> None:
         self.text: list[str] = []
@@ -364,6 +367,10 @@ class _Aligner:
             self.text = [self._joined]
             self._dirty = False
         covered = self._joined[self.end:end]
+        if (self.segments and covered and self.end > 0 and not covered[0].isspace()
+                and not self._joined[self.end - 1].isspace()
+                and covered[0].isascii() and covered[0].isalnum()):
+            covered = " " + covered  # sentences joined with no space between them
         self.end = end
         lead = " " if self.segments else ""
         self.segments += 1
@@ -434,6 +441,14 @@ class _Context:
                     tail = self.encoder.finish()
                     if tail:
                         await sock.send(self._msg(audio=b64(tail)))
+                    if self.aligner.segments:
+                        # the input's trailing space (ElevenLabs wants every text to end
+                        # with one), at the end of the audio: it completes the last word for
+                        # clients that wait for a space (pipecat)
+                        space = CharTimings((" ",), (self.offset_ms if sock.options
+                                                     .sync_alignment else 0,), (0,)).as_dict()
+                        await sock.send(self._msg(audio="", alignment=space,
+                                                  normalizedAlignment=space))
                     final: dict[str, Any] = {"isFinal": True}
                     if self.cid is not None:
                         final["contextId"] = self.cid

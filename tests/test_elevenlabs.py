@@ -617,3 +617,50 @@ async def test_pipecat_llm_reply_on_the_piper_voice_is_heard_without_the_periods
     assert heard.wer <= reference.wer + ti.MARGIN, (heard.hypothesis, reference.hypothesis)
     assert got["first_audio"] < got["sentence_done"][-1]
 
+
+
+# -- litellm's elevenlabs/ provider -----------------------------------------------------------
+
+# litellm 1.110 pins python-dateutil<3 (through botocore) where this venv has 4.0, so it runs
+# in its own interpreter: RTTS_LITELLM_PYTHON (a venv with `pip install litellm==1.110.2`),
+# or this one if litellm imports here.
+_LITELLM_SPEECH = """
+import os, sys
+os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+import litellm
+resp = litellm.speech(model="elevenlabs/eleven_multilingual_v2", input=sys.argv[2],
+                      voice=sys.argv[3], response_format="wav", api_base=sys.argv[1],
+                      api_key="k")
+sys.stdout.buffer.write(resp.content)
+"""
+
+
+def _litellm_python() -> str:
+    import os
+    import subprocess
+    import sys
+
+    for python in (os.environ.get("RTTS_LITELLM_PYTHON"), sys.executable):
+        if python and subprocess.run([python, "-c", "import litellm"],
+                                     capture_output=True).returncode == 0:
+            return python
+    pytest.skip("litellm is not installed here (it pins python-dateutil<3): set "
+                "RTTS_LITELLM_PYTHON to a venv's python with litellm==1.110.2")
+
+
+async def test_litellm_elevenlabs_speech_with_response_format_wav():
+    import subprocess
+    import wave
+
+    python = _litellm_python()
+    async with server() as (app, _):
+        base = f"http://127.0.0.1:{bound_port(app)}"
+        for voice in ("alloy", "nova"):  # litellm maps alloy to an ElevenLabs id itself
+            proc = await asyncio.to_thread(
+                subprocess.run, [python, "-c", _LITELLM_SPEECH, base, TEXT, voice],
+                capture_output=True, timeout=120)
+            assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+            with wave.open(io.BytesIO(proc.stdout)) as w:  # wav_24000: a WAV file
+                assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+                frames = len(proc.stdout) - 44
+            assert 2.5 < frames / 2 / 24000 < 6.0

@@ -111,8 +111,8 @@ async def test_openai_engine_lists_rtts_models_and_voices_without_a_key(tmp_path
 async def test_with_a_key_listing_needs_public_listing_and_speech_still_needs_the_key(
         tmp_path):
     for public in (False, True):
-        cfg = replace(base_config(voices_dir=tmp_path / str(public)), auth=AuthConfig(api_keys=("sekrit",),
-                                                     public_listing=public))
+        cfg = replace(base_config(voices_dir=tmp_path / str(public)),
+                      auth=AuthConfig(api_keys=("sekrit",), public_listing=public))
         async with server(cfg) as (app, _):
             app.voices.create({"name": "narrator", "seed": 1234})
             base = f"http://127.0.0.1:{bound_port(app)}/v1"
@@ -144,7 +144,8 @@ async def test_with_a_key_listing_needs_public_listing_and_speech_still_needs_th
 
 async def test_elevenlabs_engine_lists_voices_and_models_and_speaks_a_listed_voice(tmp_path):
     for keys in ((), ("sekrit",)):
-        cfg = replace(base_config(voices_dir=tmp_path / str(len(keys))), auth=AuthConfig(api_keys=keys))
+        cfg = replace(base_config(voices_dir=tmp_path / str(len(keys))),
+                      auth=AuthConfig(api_keys=keys))
         async with server(cfg) as (app, _):
             app.voices.create({"name": "narrator", "seed": 1234})
             base = f"http://127.0.0.1:{bound_port(app)}"

@@ -580,6 +580,9 @@ async def test_pipecat_llm_reply_speaks_each_sentence_as_it_arrives():
     async with server() as (app, _):
         got = await _pipecat_llm(app, sentences, token_s=0.08)
     assert got["first_audio"] is not None
+    print(f"pipecat: first audio {got['first_audio'] - got['sentence_done'][0]:.3f} s after "
+          f"the first sentence's last token; the reply took "
+          f"{got['reply_done'] - got['sentence_done'][0]:.2f} s more")
     # audio of the first sentence came before the reply ended: it was cut and spoken then
     assert got["first_audio"] < got["sentence_done"][2], (
         got["first_audio"] - got["sentence_done"][0])

@@ -51,7 +51,13 @@ class App(Service):
         # long-text jobs: the API wherever a queue is configured, a worker with --jobs
         self.jobs = JobStore(config.jobs) if config.jobs.redis_url else None
         self.job_worker: JobWorker | None = None
-        self.http = HttpSide(build_http_app(self, self.auth, self.jobs), f"rtts/{__version__}")
+        # every connection on the port counts in the admission's caps until it becomes a
+        # WebSocket session (counted there): idle keep-alive connections included
+        self.http = HttpSide(build_http_app(self, self.auth, self.jobs), f"rtts/{__version__}",
+                             counts=self.native.admission.counts,
+                             max_connections=config.max_connections,
+                             max_connections_per_client=config.max_connections_per_client,
+                             trusted_proxies=config.trusted_proxies)
         self.wyoming: WyomingListener | None = None
 
     # WebSocket upgrades by path: ElevenLabs' input-streaming sockets, else the native one.

@@ -15,6 +15,7 @@ import base64
 import contextlib
 import io
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ from rtts.api.elevenlabs import (
     resolve_voice_id,
     socket_kind,
 )
-from rtts.server import bound_port
+from rtts.server import bound_port, run_server
 
 TEXT = "Hello there, friend. How are you today? I am fine, thanks for asking."
 
@@ -54,7 +55,9 @@ def test_output_formats_map_to_codecs_and_bad_ones_are_refused():
     mp3 = parse_output_format(None)  # ElevenLabs' default
     assert (mp3.codec, mp3.sample_rate, mp3.bit_rate) == ("mp3", 44100, 128000)
     assert parse_output_format("opus_48000_64").bit_rate == 64000
-    for bad in ("pcm_12345", "mp3_44100", "wav", "opus_24000_64", "pcm_x"):
+    wav = parse_output_format("wav_24000")  # litellm's response_format="wav"
+    assert (wav.codec, wav.sample_rate) == ("wav", 24000)
+    for bad in ("pcm_12345", "mp3_44100", "wav", "wav_12345", "opus_24000_64", "pcm_x"):
         with pytest.raises(ElevenError):
             parse_output_format(bad)
 
@@ -332,9 +335,20 @@ async def test_stream_input_bad_input_gets_error_message_and_close_code():
             with pytest.raises(ConnectionClosed):
                 await ws.recv()
             assert ws.close_code == 1000
-        for query, first in [("?output_format=wav", {"text": " "}),
-                             ("?inactivity_timeout=9999", {"text": " "}),
-                             ("", "not json"), ("", {"text": 5}),
+        # what the URL sets is checked at the handshake, as the key is: an unknown voice,
+        # a bad format or timeout never opens a socket that then closes
+        for path, want in [("/v1/text-to-speech/bad%20voice!/stream-input", 400),
+                           ("/v1/text-to-speech/alloy/stream-input?output_format=wav", 422),
+                           ("/v1/text-to-speech/alloy/multi-stream-input"
+                            "?inactivity_timeout=9999", 400)]:
+            with pytest.raises(InvalidStatus) as info:
+                async with connect(base.split("/v1/")[0] + path,
+                                   additional_headers={"xi-api-key": "sekrit"}):
+                    pass
+            assert info.value.response.status_code == want, path
+            detail = json.loads(info.value.response.body)["detail"]
+            assert detail["status"] and detail["message"]
+        for query, first in [("", "not json"), ("", {"text": 5}),
                              ("", {"text": " ", "generation_config": {
                                  "chunk_length_schedule": ["x"]}})]:
             async with connect(base + query, additional_headers={"xi-api-key": "sekrit"}
@@ -478,3 +492,178 @@ async def test_shutdown_drains_then_closes_open_sockets_with_1001():
             while True:
                 await ws.recv()
     assert ws.close_code == 1001
+
+
+# -- pipecat fed an LLM reply: its aggregator sends sentence by sentence, no trailing space ---
+
+
+def _pipecat_llm_run(port: int, sentences: list[str], token_s: float) -> dict[str, Any]:
+    """An LLM reply token by token (``LLMTextFrame``s between the response start and end
+    frames, ``token_s`` apart) into pipecat's ElevenLabsTTSService, in its own pipeline;
+    records when tokens went in and audio came out, the audio, and the word frames."""
+    from pipecat.frames.frames import (
+        EndFrame,
+        LLMFullResponseEndFrame,
+        LLMFullResponseStartFrame,
+        LLMTextFrame,
+        TTSAudioRawFrame,
+        TTSTextFrame,
+    )
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.runner import PipelineRunner
+    from pipecat.pipeline.task import PipelineParams, PipelineTask
+    from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+    from pipecat.services.elevenlabs.tts import ElevenLabsTTSService
+
+    out: dict[str, Any] = {"audio": bytearray(), "first_audio": None, "words": [],
+                           "sentence_done": [], "reply_done": None}
+
+    class Sink(FrameProcessor):
+        async def process_frame(self, frame: Any, direction: FrameDirection) -> None:
+            await super().process_frame(frame, direction)
+            if isinstance(frame, TTSAudioRawFrame):
+                out["audio"] += frame.audio
+                if out["first_audio"] is None:
+                    out["first_audio"] = time.monotonic()
+            elif isinstance(frame, TTSTextFrame):
+                out["words"].append((frame.text, frame.pts))
+            await self.push_frame(frame, direction)
+
+    async def main() -> None:
+        tts = ElevenLabsTTSService(api_key="k", settings=ElevenLabsTTSService.Settings(
+                                       voice="21m00Tcm4TlvDq8ikWAM"),
+                                   url=f"ws://127.0.0.1:{port}", sample_rate=24000)
+        task = PipelineTask(Pipeline([tts, Sink()]),
+                            params=PipelineParams(audio_out_sample_rate=24000))
+
+        async def llm() -> None:
+            await asyncio.sleep(0.5)  # the pipeline has started
+            await task.queue_frame(LLMFullResponseStartFrame())
+            for sentence in sentences:
+                tokens = re.findall(r"\s*[^\s.]+|\.", sentence)  # " dog", "." as LLMs do
+                for i, token in enumerate(tokens):
+                    await task.queue_frame(LLMTextFrame(token if i or sentence is sentences[0]
+                                                        else " " + token.lstrip()))
+                    await asyncio.sleep(token_s)
+                out["sentence_done"].append(time.monotonic())
+            out["reply_done"] = time.monotonic()
+            await task.queue_frame(LLMFullResponseEndFrame())
+            await asyncio.sleep(1.0)
+            await task.queue_frame(EndFrame())
+
+        producer = asyncio.create_task(llm())
+        await asyncio.wait_for(PipelineRunner(handle_sigint=False).run(task), 90)
+        await producer
+
+    asyncio.run(main())
+    return out
+
+
+async def _pipecat_llm(app: Any, sentences: list[str], token_s: float) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        result.update(_pipecat_llm_run(bound_port(app), sentences, token_s))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    await asyncio.to_thread(thread.join, 120)
+    assert not thread.is_alive()
+    return result
+
+
+async def test_pipecat_llm_reply_speaks_each_sentence_as_it_arrives():
+    """First audio while the LLM is still producing (not at pipecat's final flush), and the
+    word times pipecat derives increase through the reply and span its audio."""
+    sentences = ["The quick brown fox jumps over the lazy dog.", "Please call me back soon.",
+                 "I will be at home tonight.", "Bring the blue folder.", "We can finish then."]
+    async with server() as (app, _):
+        got = await _pipecat_llm(app, sentences, token_s=0.08)
+    assert got["first_audio"] is not None
+    print(f"pipecat: first audio {got['first_audio'] - got['sentence_done'][0]:.3f} s after "
+          f"the first sentence's last token; the reply took "
+          f"{got['reply_done'] - got['sentence_done'][0]:.2f} s more")
+    # audio of the first sentence came before the reply ended: it was cut and spoken then
+    assert got["first_audio"] < got["sentence_done"][2], (
+        got["first_audio"] - got["sentence_done"][0])
+    words = [w for w, _ in got["words"]]
+    assert " ".join(words).split() == " ".join(sentences).split()
+    pts = [p for _, p in got["words"]]
+    assert pts == sorted(pts) and len(set(pts)) == len(pts), repr(got["words"])
+    audio_ns = len(got["audio"]) / 2 / 24000 * 1e9
+    span = pts[-1] - pts[0]
+    assert 0.6 * audio_ns < span < audio_ns, (span / 1e9, audio_ns / 1e9)
+
+
+async def test_pipecat_llm_reply_on_the_piper_voice_is_heard_without_the_periods():
+    """Speech recognition on the piper voice: pipecat's sentences ("...lazy dog." then
+    "Please call me...") must not be joined into "dog.Please" and read with the period."""
+    ti = pytest.importorskip("test_intelligibility")
+    import numpy as np
+
+    from rtts.config import EngineConfig
+
+    cfg = base_config(engine=EngineConfig(name="piper", voice_models=(ti.JOE,)))
+    async with run_server(cfg) as app:
+        assert app.state == "ready", app.state_reason
+        got = await _pipecat_llm(app, list(ti.SENTENCES), token_s=0.03)
+    audio = np.frombuffer(bytes(got["audio"]), "<i2").astype(np.float32) / 32768
+    recognize = ti.Recognizer()
+    heard = recognize(audio, 24000)
+    from piper import PiperVoice
+
+    voice = PiperVoice.load(ti.JOE)
+    direct = np.concatenate([c.audio_float_array for c in voice.synthesize(ti.TEXT)])
+    reference = recognize(direct, voice.config.sample_rate)
+    print(f"WER through pipecat+rtts {heard.wer:.3f} ({heard.hypothesis!r}), piper direct "
+          f"{reference.wer:.3f}")
+    assert heard.wer <= reference.wer + ti.MARGIN, (heard.hypothesis, reference.hypothesis)
+    assert got["first_audio"] < got["sentence_done"][-1]
+
+
+
+# -- litellm's elevenlabs/ provider -----------------------------------------------------------
+
+# litellm 1.110 pins python-dateutil<3 (through botocore) where this venv has 4.0, so it runs
+# in its own interpreter: RTTS_LITELLM_PYTHON (a venv with `pip install litellm==1.110.2`),
+# or this one if litellm imports here.
+_LITELLM_SPEECH = """
+import os, sys
+os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+import litellm
+resp = litellm.speech(model="elevenlabs/eleven_multilingual_v2", input=sys.argv[2],
+                      voice=sys.argv[3], response_format="wav", api_base=sys.argv[1],
+                      api_key="k")
+sys.stdout.buffer.write(resp.content)
+"""
+
+
+def _litellm_python() -> str:
+    import os
+    import subprocess
+    import sys
+
+    for python in (os.environ.get("RTTS_LITELLM_PYTHON"), sys.executable):
+        if python and subprocess.run([python, "-c", "import litellm"],
+                                     capture_output=True).returncode == 0:
+            return python
+    pytest.skip("litellm is not installed here (it pins python-dateutil<3): set "
+                "RTTS_LITELLM_PYTHON to a venv's python with litellm==1.110.2")
+
+
+async def test_litellm_elevenlabs_speech_with_response_format_wav():
+    import subprocess
+    import wave
+
+    python = _litellm_python()
+    async with server() as (app, _):
+        base = f"http://127.0.0.1:{bound_port(app)}"
+        for voice in ("alloy", "nova"):  # litellm maps alloy to an ElevenLabs id itself
+            proc = await asyncio.to_thread(
+                subprocess.run, [python, "-c", _LITELLM_SPEECH, base, TEXT, voice],
+                capture_output=True, timeout=120)
+            assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+            with wave.open(io.BytesIO(proc.stdout)) as w:  # wav_24000: a WAV file
+                assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+                frames = len(proc.stdout) - 44
+            assert 2.5 < frames / 2 / 24000 < 6.0

@@ -16,7 +16,7 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from helpers import client, server
 from rtts.api.native.protocol import parse_client_message
@@ -344,6 +344,12 @@ async def test_elevenlabs_and_wyoming_fuzz_leave_server_healthy(caplog):
                     async with asyncio.timeout(10):
                         async for raw in ws:
                             last = json.loads(raw)
+            except InvalidStatus as exc:  # a bad voice or query: refused at the handshake
+                status = exc.response.status_code
+                assert status in (400, 422), status
+                assert json.loads(exc.response.body)["detail"]["message"]
+                closes[status] = closes.get(status, 0) + 1
+                return n
             except ConnectionClosed as exc:
                 with contextlib.suppress(ConnectionClosed):
                     while ws is not None:  # messages that arrived before the close

@@ -359,12 +359,12 @@ async def test_metrics_count_streaming_http_requests():
         async with client.audio.speech.with_streaming_response.create(
                 model="tts-1", voice="onyx", input=TEXT, response_format="pcm") as resp:
             async for _ in resp.iter_bytes():
-                # this speech body and the /metrics request itself
-                assert await asyncio.to_thread(metric, active) == 2
+                # this speech body (the /metrics scrape does not count itself)
+                assert await asyncio.to_thread(metric, active) == 1
                 break
         for _ in range(100):
-            if await asyncio.to_thread(metric, active) == 1:  # only the /metrics request
+            if await asyncio.to_thread(metric, active) == 0:
                 break
             await asyncio.sleep(0.05)
-        assert await asyncio.to_thread(metric, active) == 1
+        assert await asyncio.to_thread(metric, active) == 0
         assert await asyncio.to_thread(metric, "rtts_http_speech_requests_total") == 1

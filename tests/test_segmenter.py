@@ -147,3 +147,49 @@ def test_a_list_items_number_goes_with_its_text():
         "步骤：", "1、打开；", "2、加水。"]
     seg = Segmenter(schedule=(1,))
     assert [c.text for c in feed(seg, ["It costs 3. Then"])] == ["It costs 3."]
+
+
+# -- sentences joined with no space (pipecat sends each sentence of an LLM reply without its
+# trailing space: "...the lazy dog." then "Please call me...") -----------------------------
+
+# words that contain a "." that ends no sentence, in any position of a sentence
+_TRICKY = ["3.5", "e.g.", "i.e.", "www.example.com", "example.com/Path", "Mr. Smith",
+           "Mr.Smith", "Dr. Who", "node.js", "v1.2.3", "ASP.NET", "me@mail.Example.org"]
+_WORDS = ["quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "call", "me",
+          "soon", "about", "it", "version"]
+
+
+@st.composite
+def _sentence(draw) -> str:
+    first = draw(st.sampled_from(["Please", "The", "I", "We", "Version", "Today"]))
+    middle = draw(st.lists(st.sampled_from(_WORDS + _TRICKY), min_size=1, max_size=6))
+    last = draw(st.sampled_from(_WORDS))  # a sentence ends with an ordinary word
+    return " ".join([first, *middle, last]) + "."
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_sentence(), min_size=1, max_size=5), st.data())
+def test_a_sentence_end_followed_by_a_new_sentence_is_a_boundary_in_any_chunking(
+        sentences, data):
+    joins = [data.draw(st.sampled_from(["", " "])) for _ in sentences[1:]]
+    text = sentences[0] + "".join(j + s for j, s in zip(joins, sentences[1:], strict=True))
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(text) - 1)), max_size=12)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    for chunking in (pieces, [text]):
+        seg = Segmenter(schedule=(1,), max_chars=400)
+        chunks = feed(seg, chunking) + seg.flush()
+        # one chunk per sentence: cut at every join, never inside 3.5, e.g., URLs, Mr.
+        assert [c.text for c in chunks] == sentences, (chunking, [c.text for c in chunks])
+        assert [text[c.start:c.end] for c in chunks] == sentences
+
+
+def test_pipecat_pieces_are_cut_as_soon_as_the_next_sentence_starts():
+    seg = Segmenter(schedule=(8, 40))
+    assert seg.push("The quick brown fox jumps over the lazy dog.") == []  # "3." may grow
+    chunks = seg.push("Please call me back")
+    assert [c.text for c in chunks] == ["The quick brown fox jumps over the lazy dog."]
+    assert [c.text for c in seg.flush()] == ["Please call me back"]
+    for text in ("Pi is 3.5 today", "See e.g.The list", "Visit example.com now",
+                 "Ask Mr.Smith now", "Born in the U.S.Army base", "Use ASP.NET here"):
+        seg = Segmenter(schedule=(1,))
+        assert [c.text for c in seg.push(text) + seg.flush()] == [text], text

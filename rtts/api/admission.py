@@ -38,7 +38,8 @@ from rtts.api.handshake import respond
 from rtts.core.service import Service, State
 from rtts.errors import CLOSE_TRY_AGAIN_LATER, ErrorCode
 
-__all__ = ["ConnectionCounts", "Principal", "WsAdmission", "client_address", "refusal"]
+__all__ = ["ConnectionCounts", "Principal", "WsAdmission", "client_address", "refusal",
+           "trusted_peer"]
 
 logger = logging.getLogger("rtts.api.auth")
 
@@ -57,16 +58,17 @@ def client_address(peer: str | None, forwarded_for: str | None,
     the right-most ``X-Forwarded-For`` entry that is not itself a trusted proxy (what
     nginx's ``$proxy_add_x_forwarded_for`` appends). Pure."""
     addr = peer or "unknown"
-    if not forwarded_for or not _trusted(addr, trusted_proxies):
+    if not forwarded_for or not trusted_peer(addr, trusted_proxies):
         return addr
     for hop in reversed([h.strip() for h in forwarded_for.split(",") if h.strip()]):
         addr = hop
-        if not _trusted(hop, trusted_proxies):
+        if not trusted_peer(hop, trusted_proxies):
             break
     return addr
 
 
-def _trusted(addr: str, trusted: tuple[str, ...]) -> bool:
+def trusted_peer(addr: str, trusted: tuple[str, ...]) -> bool:
+    """Whether ``addr`` is one of the trusted proxies (addresses or networks; ``*``: any)."""
     if "*" in trusted:
         return True
     try:
@@ -82,28 +84,35 @@ def _trusted(addr: str, trusted: tuple[str, ...]) -> bool:
 
 class ConnectionCounts:
     """Open connections, all together and per client address, against their caps (one
-    listener's: the WebSockets share one, the Wyoming listener has its own)."""
+    listener's: the main port's WebSocket sessions and its other connections, HTTP or not
+    yet known, share one; the Wyoming listener has its own). A connection counted with
+    client None (from a trusted proxy, whose clients share its address) counts only in
+    the total."""
 
     def __init__(self) -> None:
         self.total = 0
         self.per_client: dict[str, int] = {}
 
-    def refusal(self, client: str, max_total: int, per_client: int | None
+    def refusal(self, client: str | None, max_total: int, per_client: int | None
                 ) -> tuple[int, str] | None:
         """The HTTP status and reason if one more connection of ``client`` would go over a
         cap (503: all clients together; 429: this client), else None."""
         if self.total >= max_total:
             return 503, "too many connections"
-        if per_client is not None and self.per_client.get(client, 0) >= per_client:
+        if (client is not None and per_client is not None
+                and self.per_client.get(client, 0) >= per_client):
             return 429, f"at most {per_client} connections per client"
         return None
 
-    def add(self, client: str) -> None:
+    def add(self, client: str | None) -> None:
         self.total += 1
-        self.per_client[client] = self.per_client.get(client, 0) + 1
+        if client is not None:
+            self.per_client[client] = self.per_client.get(client, 0) + 1
 
-    def remove(self, client: str) -> None:
+    def remove(self, client: str | None) -> None:
         self.total -= 1
+        if client is None:
+            return
         left = self.per_client.get(client, 1) - 1
         if left > 0:
             self.per_client[client] = left

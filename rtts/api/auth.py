@@ -50,6 +50,10 @@ class AuthConfig:
     allowed_origins: tuple[str, ...] = ()
     max_sessions_per_key: int | None = None
     sessions_per_minute: int | None = None
+    # the model and voice *name* lists (GET /v1/models, /v1/audio/models, /v1/audio/voices,
+    # and ElevenLabs' /v1/models and /v1/voices) answer without a key (Open WebUI asks for
+    # them with none); a key that is presented is still checked
+    public_listing: bool = False
 
     @staticmethod
     def keys_from_env() -> tuple[str, ...]:

@@ -19,9 +19,21 @@ HTTP: ``POST /v1/text-to-speech/{voice_id}`` and ``/stream`` (the audio, streame
 
 Alignment: rtts has no aligner; each segment's characters get estimated timings
 (:mod:`rtts.text.timings`) once the segment's audio is complete, so a segment's
-``alignment`` arrives in an extra message (``"audio": ""``) right after its last audio, with
-times in ms from that segment's start; the characters include the whitespace between
-segments, so all ``chars`` of a context joined give back its text.
+``alignment`` arrives in an extra message (``"audio": ""``) right after its last audio; the
+characters include the whitespace between segments, so all ``chars`` of a context joined
+give back its text. Times are in ms from that message's audio, the way ElevenLabs documents
+them ("relative to the returned chunk", the ``elevenlabs`` SDK's ``Alignment``) and pipecat
+reads them (it adds each message's span to a running clock); with ``sync_alignment=true``
+in the URL (LiveKit's plugin always sends it, and reads the times as running from the
+context's start) they run from the start of the context's audio instead. Both clients'
+word timelines then increase through a reply.
+
+``auto_mode=true`` (pipecat and LiveKit send it when they send whole sentences): every text
+message is spoken at once, as if flushed; without it rtts cuts at punctuation.
+
+The URL's voice, ``output_format`` and ``inactivity_timeout`` are checked at the handshake:
+a bad one is refused with an HTTP status and ``{"detail": {"status", "message"}}``, as a
+wrong key is, so no client sees an accepted socket close before it has registered.
 
 Errors: the socket sends ElevenLabs' error message ``{"message", "error", "code"}`` (and
 ``contextId`` on multi-stream-input) and closes with ``code`` (1008 for bad input, 1013 when
@@ -35,6 +47,7 @@ import contextlib
 import logging
 import re
 import urllib.parse
+import weakref
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -52,14 +65,14 @@ from websockets.http11 import Response as WsResponse
 from rtts.api.admission import Principal, WsAdmission
 from rtts.api.auth import Authenticator, AuthError
 from rtts.api.handshake import respond
-from rtts.api.http.common import ApiError, b64, read_body
+from rtts.api.http.common import ApiError, authorize_listing, b64, read_body
 from rtts.api.http.speech import SpeechBody, SpeechRequest, speak
 from rtts.api.tasks import OwnedTasks
 from rtts.audio.codecs import Encoder, codec_for, open_encoder
 from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
 from rtts.core.params import SynthParams
 from rtts.core.service import Service
-from rtts.core.voicenames import resolve_voice, speed_from_factor
+from rtts.core.voicenames import OPENAI_VOICES, resolve_voice, speed_from_factor
 from rtts.errors import (
     CLOSE_GOING_AWAY,
     CLOSE_NORMAL,
@@ -127,7 +140,8 @@ class OutputFormat:
 
 
 def parse_output_format(value: str | None) -> OutputFormat:
-    """``pcm_8000``…``pcm_48000``, ``ulaw_8000``, ``alaw_8000``, ``mp3_RATE_KBPS``,
+    """``pcm_8000``…``pcm_48000``, ``wav_8000``…``wav_48000`` (what litellm asks for when
+    told ``response_format="wav"``), ``ulaw_8000``, ``alaw_8000``, ``mp3_RATE_KBPS``,
     ``opus_48000_KBPS`` -> :class:`OutputFormat`, else :class:`ElevenError`."""
     name = value or DEFAULT_FORMAT
     parts = name.split("_")
@@ -138,6 +152,8 @@ def parse_output_format(value: str | None) -> OutputFormat:
     kind = parts[0]
     if kind == "pcm" and len(nums) == 1 and nums[0] in _PCM_RATES:
         return OutputFormat(name, "pcm16", nums[0])
+    if kind == "wav" and len(nums) == 1 and nums[0] in _PCM_RATES:
+        return OutputFormat(name, "wav", nums[0])
     if kind in ("ulaw", "alaw") and nums == [8000]:
         return OutputFormat(name, "mulaw" if kind == "ulaw" else "alaw", 8000)
     if kind == "mp3" and len(nums) == 2 and (nums[0], nums[1]) in _MP3:
@@ -145,8 +161,9 @@ def parse_output_format(value: str | None) -> OutputFormat:
     if kind == "opus" and len(nums) == 2 and nums[0] == 48000 and nums[1] in _OPUS_KBPS:
         return OutputFormat(name, "opus", 48000, nums[1] * 1000)
     raise ElevenError(f"invalid output_format {name[:64]!r}: use pcm_8000|16000|22050|24000|"
-                      "32000|44100|48000, ulaw_8000, alaw_8000, mp3_44100_128 (and the other "
-                      "mp3_RATE_KBPS), or opus_48000_32|64|96|128|192",
+                      "32000|44100|48000 (or wav_ at the same rates), ulaw_8000, alaw_8000, "
+                      "mp3_44100_128 (and the other mp3_RATE_KBPS), or "
+                      "opus_48000_32|64|96|128|192",
                       "invalid_output_format", status=422)
 
 
@@ -265,6 +282,10 @@ def socket_kind(path: str) -> tuple[str, bool] | None:
     return urllib.parse.unquote(m.group(1)), m.group(2) == "multi-stream-input"
 
 
+def _query(path: str) -> dict[str, str]:
+    return {k: v[0] for k, v in urllib.parse.parse_qs(urllib.parse.urlsplit(path).query).items()}
+
+
 def _bool(value: str | None, default: bool) -> bool:
     if value is None:
         return default
@@ -280,12 +301,49 @@ def seconds_alignment(timings: CharTimings) -> dict[str, list[str] | list[float]
                                                 strict=True)]}
 
 
+@dataclass(frozen=True, slots=True)
+class SocketOptions:
+    """What an input-streaming socket's URL sets, checked before the upgrade is accepted."""
+
+    fmt: OutputFormat
+    voice: str
+    inactivity_s: float = DEFAULT_INACTIVITY_S
+    auto_mode: bool = False
+    normalize: bool = True
+    sync_alignment: bool = False
+
+
+def socket_options(voice_id: str, query: dict[str, str], service: Service) -> SocketOptions:
+    """The URL's voice and query -> :class:`SocketOptions`, or :class:`ElevenError` (answered
+    at the handshake with its HTTP status, so a client never sees an accepted socket close
+    before it has sent anything)."""
+    fmt = parse_output_format(query.get("output_format"))
+    voice = resolve_voice_id(voice_id, service)
+    inactivity_s = DEFAULT_INACTIVITY_S
+    raw = query.get("inactivity_timeout")
+    if raw is not None:
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = -1.0
+        if not 1 <= seconds <= MAX_INACTIVITY_S:
+            raise ElevenError(f"inactivity_timeout must be 1-{MAX_INACTIVITY_S:.0f} "
+                              "seconds", "invalid_inactivity_timeout")
+        inactivity_s = seconds
+    return SocketOptions(fmt, voice, inactivity_s, auto_mode=_bool(query.get("auto_mode"), False),
+                         normalize=query.get("apply_text_normalization", "auto").lower() != "off",
+                         sync_alignment=_bool(query.get("sync_alignment"), False))
+
+
 # -- the text an alignment covers --------------------------------------------------------
 
 
 class _Aligner:
     """A context's input text and where the last segment ended: each segment's alignment
-    covers the text since the previous segment (the whitespace between them included)."""
+    covers the text since the previous segment (the whitespace between them included).
+    Where two sentences were joined with no space (``dog.Please``: pipecat sends each
+    sentence without its trailing space), the second segment's alignment starts with one,
+    so a client that splits words at spaces does not read ``dog.Please`` as one word."""
 
     def __init__(self) -> None:
         self.text: list[str] = []
@@ -309,6 +367,10 @@ class _Aligner:
             self.text = [self._joined]
             self._dirty = False
         covered = self._joined[self.end:end]
+        if (self.segments and covered and self.end > 0 and not covered[0].isspace()
+                and not self._joined[self.end - 1].isspace()
+                and covered[0].isascii() and covered[0].isalnum()):
+            covered = " " + covered  # sentences joined with no space between them
         self.end = end
         lead = " " if self.segments else ""
         self.segments += 1
@@ -325,10 +387,11 @@ class _Context:
         self.cid = cid
         self.sock = sock
         self.speech = service.open_context(params, schedule=schedule, normalize=sock.normalize)
-        fmt = sock.fmt
+        fmt = sock.options.fmt
         self.encoder: Encoder = open_encoder(fmt.codec, service.sample_rate,
                                              fmt.sample_rate, fmt.bit_rate)
         self.aligner = _Aligner()
+        self.offset_ms = 0  # audio sent before the current segment (sync_alignment)
         self.chars = 0
         self.ended = False
         self.task: asyncio.Task[None] | None = None
@@ -360,8 +423,12 @@ class _Context:
                     spans[event.index] = (event.start, event.end, event.spoken)
                 elif isinstance(event, SegmentDone):
                     start, end, spoken = spans.pop(event.index)
-                    written, said = self.aligner.segment(start, end, spoken,
-                                                         event.samples * 1000 / rate)
+                    ms = event.samples * 1000 / rate
+                    written, said = self.aligner.segment(start, end, spoken, ms)
+                    if sock.options.sync_alignment:  # times from the context's start
+                        written = written.shifted(self.offset_ms)
+                        said = said.shifted(self.offset_ms)
+                    self.offset_ms += round(ms)
                     await sock.send(self._msg(audio="", alignment=written.as_dict(),
                                               normalizedAlignment=said.as_dict()))
                 elif isinstance(event, SegmentFailed):
@@ -374,6 +441,14 @@ class _Context:
                     tail = self.encoder.finish()
                     if tail:
                         await sock.send(self._msg(audio=b64(tail)))
+                    if self.aligner.segments:
+                        # the input's trailing space (ElevenLabs wants every text to end
+                        # with one), at the end of the audio: it completes the last word for
+                        # clients that wait for a space (pipecat)
+                        space = CharTimings((" ",), (self.offset_ms if sock.options
+                                                     .sync_alignment else 0,), (0,)).as_dict()
+                        await sock.send(self._msg(audio="", alignment=space,
+                                                  normalizedAlignment=space))
                     final: dict[str, Any] = {"isFinal": True}
                     if self.cid is not None:
                         final["contextId"] = self.cid
@@ -396,20 +471,18 @@ class _Context:
 class _Socket:
     """One ElevenLabs input-streaming connection: reader loop, one task per context."""
 
-    def __init__(self, endpoint: ElevenLabsEndpoints, ws: ServerConnection, voice_id: str,
-                 multi: bool, query: dict[str, str], principal: Principal) -> None:
+    def __init__(self, endpoint: ElevenLabsEndpoints, ws: ServerConnection,
+                 options: SocketOptions, multi: bool, principal: Principal) -> None:
         self.endpoint = endpoint
         self.ws = ws
-        self.voice_id = voice_id
+        self.options = options
         self.multi = multi
-        self.query = query
         self.principal = principal  # kid None: the key must come in the first message
         self.contexts: dict[str | None, _Context] = {}
-        self.fmt = OutputFormat(DEFAULT_FORMAT, "mp3", 44100, 128000)
-        self.voice = ""
-        self.auto_mode = _bool(query.get("auto_mode"), False)
-        self.normalize = query.get("apply_text_normalization", "auto").lower() != "off"
-        self.inactivity_s = DEFAULT_INACTIVITY_S
+        self.voice = options.voice
+        self.auto_mode = options.auto_mode
+        self.normalize = options.normalize
+        self.inactivity_s = options.inactivity_s
         self._closing = False
         self._input_ended = False
         self._tasks = OwnedTasks()
@@ -432,18 +505,6 @@ class _Socket:
 
     def _configure(self) -> None:
         service = self.endpoint.service
-        self.fmt = parse_output_format(self.query.get("output_format"))
-        self.voice = resolve_voice_id(self.voice_id, service)
-        raw = self.query.get("inactivity_timeout")
-        if raw is not None:
-            try:
-                seconds = float(raw)
-            except ValueError:
-                seconds = -1.0
-            if not 1 <= seconds <= MAX_INACTIVITY_S:
-                raise ElevenError(f"inactivity_timeout must be 1-{MAX_INACTIVITY_S:.0f} "
-                                  "seconds", "invalid_inactivity_timeout")
-            self.inactivity_s = seconds
         if service.rejecting:
             service.stats.rejected += 1
             raise ElevenError(f"server overloaded ({service.governor.reason}); retry later",
@@ -529,7 +590,10 @@ class _Socket:
             ctx = self._open(cid, msg)
         if msg.text:
             ctx.feed(msg.text)
-        if msg.flush:
+        # auto_mode: each message is a whole sentence or phrase, spoken without waiting for
+        # more (ElevenLabs: it "disables the chunk schedule and all buffers"); pipecat sends
+        # an LLM reply sentence by sentence this way, without a flush
+        if msg.flush or (self.auto_mode and msg.text and msg.text.strip()):
             ctx.speech.flush()
 
     def _open(self, cid: str | None, msg: ClientMessage) -> _Context:
@@ -577,6 +641,8 @@ class ElevenLabsEndpoints:
         # connections and sessions per key); None for an HTTP-only instance
         self.admission = admission
         self.sockets: set[_Socket] = set()
+        self._options: weakref.WeakKeyDictionary[ServerConnection, SocketOptions] = (
+            weakref.WeakKeyDictionary())
 
     # -- WebSocket handshake and handler
 
@@ -586,14 +652,26 @@ class ElevenLabsEndpoints:
         origin, key, quotas: :class:`~rtts.api.admission.WsAdmission`), with
         ``xi-api-key`` read as the key. Without any key while keys are required, the
         upgrade goes through and the first message must carry ``xi_api_key``."""
-        if socket_kind(request.path) is None:
+        kind = socket_kind(request.path)
+        if kind is None:
             return respond(404, "not found: the ElevenLabs sockets are "
                                 "/v1/text-to-speech/{voice_id}/stream-input and "
                                 "/multi-stream-input\n")
         assert self.admission is not None
-        return self.admission.handshake(connection, request,
-                                               key=request.headers.get("xi-api-key"),
-                                               key_later=True)
+        refused = self.admission.handshake(connection, request,
+                                           key=request.headers.get("xi-api-key"),
+                                           key_later=True)
+        if refused is not None:
+            return refused
+        try:  # an unknown voice or a bad query: refused now, as a wrong key is
+            self._options[connection] = socket_options(kind[0], _query(request.path),
+                                                       self.service)
+        except ElevenError as exc:
+            self.service.stats.protocol_errors += 1
+            return respond(exc.status, orjson.dumps(
+                {"detail": {"status": exc.error, "message": exc.message}}),
+                content_type="application/json")
+        return None
 
     def admit_first_message(self, principal: Principal, msg: ClientMessage) -> None:
         """A key (``xi_api_key``) or ``authorization`` in the first message, when the
@@ -611,12 +689,14 @@ class ElevenLabsEndpoints:
         kind = socket_kind(ws.request.path if ws.request is not None else "")
         assert kind is not None
         voice_id, multi = kind
-        query = {k: v[0] for k, v in urllib.parse.parse_qs(
-            urllib.parse.urlsplit(ws.request.path if ws.request else "").query).items()}
+        options = self._options.pop(ws, None)
         async with self.admission.session(ws) as principal:
             if principal is None:
                 return
-            sock = _Socket(self, ws, voice_id, multi, query, principal)
+            if options is None:  # pragma: no cover - the handshake always sets them
+                options = socket_options(voice_id, _query(ws.request.path if ws.request
+                                                          else ""), self.service)
+            sock = _Socket(self, ws, options, multi, principal)
             self.sockets.add(sock)
             self.service.stats.connections_total += 1
             try:
@@ -640,6 +720,56 @@ class ElevenLabsEndpoints:
                 Route(base + "/stream", self.speech, methods=["POST"]),
                 Route(base + "/stream/with-timestamps", self.timestamps, methods=["POST"]),
                 Route(base + "/with-timestamps", self.timestamps, methods=["POST"])]
+
+    def listing(self) -> dict[str, Any]:
+        """ElevenLabs' listing GETs, by path: ``/v1/voices``, ``/v1/voices/{name}`` and
+        ``/v1/models`` are also rtts's and OpenAI's paths, so the HTTP app answers a request
+        that carries ``xi-api-key`` (every ElevenLabs client sends it: LiveKit, Open WebUI,
+        the SDK) with these and any other with the rtts/OpenAI shape."""
+        return {"/v1/voices": self.list_voices, "/v1/voices/{name}": self.get_voice,
+                "/v1/models": self.list_models}
+
+    def _voices(self) -> list[dict[str, Any]]:
+        builtin = [_voice_entry(name, "premade", "OpenAI voice name; a fixed rtts speaker")
+                   for name in OPENAI_VOICES]
+        named = [_voice_entry(v.name, "generated", "rtts named voice")
+                 for v in self.service.voices.list() if v.name not in OPENAI_VOICES]
+        return builtin + named
+
+    async def list_voices(self, request: Request) -> Response:
+        """``GET /v1/voices``: ``{"voices": [{"voice_id", "name", "category", ...}]}``, every
+        voice id this server speaks by name (any other short id is a seeded speaker)."""
+        try:
+            authorize_listing(self.auth, self.service, request,
+                              key=request.headers.get("xi-api-key"))
+        except ApiError as exc:
+            return _http_error(exc.status, exc.code or "error", exc.message, exc.headers)
+        voices = self._voices()
+        return JSONResponse({"voices": voices, "has_more": False, "total_count": len(voices),
+                             "next_page_token": None}, headers={"Cache-Control": "no-store"})
+
+    async def get_voice(self, request: Request) -> Response:
+        try:
+            authorize_listing(self.auth, self.service, request,
+                              key=request.headers.get("xi-api-key"))
+        except ApiError as exc:
+            return _http_error(exc.status, exc.code or "error", exc.message, exc.headers)
+        name = request.path_params["name"]
+        for voice in self._voices():
+            if voice["voice_id"] == name:
+                return JSONResponse(voice, headers={"Cache-Control": "no-store"})
+        return _http_error(404, "voice_not_found", f"no voice with id {name[:64]!r}", {})
+
+    async def list_models(self, request: Request) -> Response:
+        """``GET /v1/models``: ElevenLabs' JSON array of models. Every id is this server's
+        engine; the ids are the ones ElevenLabs clients default to."""
+        try:
+            authorize_listing(self.auth, self.service, request,
+                              key=request.headers.get("xi-api-key"))
+        except ApiError as exc:
+            return _http_error(exc.status, exc.code or "error", exc.message, exc.headers)
+        return JSONResponse([_model_entry(m, n) for m, n in _MODELS],
+                            headers={"Cache-Control": "no-store"})
 
     async def speech(self, request: Request) -> Response:
         return await self._answer(request, timestamps=False)
@@ -730,6 +860,30 @@ def _line(audio: bytes, written: CharTimings | None, said: CharTimings | None) -
         "alignment": None if written is None else seconds_alignment(written),
         "normalized_alignment": None if said is None else seconds_alignment(said),
     }) + b"\n"
+
+
+# ElevenLabs' model ids clients default to (LiveKit: eleven_turbo_v2_5, pipecat and the SDK:
+# eleven_flash_v2_5 / eleven_multilingual_v2), all served by this server's engine
+_MODELS: Final = (("eleven_flash_v2_5", "Flash v2.5 (rtts)"),
+                  ("eleven_turbo_v2_5", "Turbo v2.5 (rtts)"),
+                  ("eleven_multilingual_v2", "Multilingual v2 (rtts)"),
+                  ("rtts", "rtts"))
+
+
+def _voice_entry(name: str, category: str, description: str) -> dict[str, Any]:
+    return {"voice_id": name, "name": name, "category": category, "labels": {},
+            "description": description, "preview_url": None, "settings": None,
+            "available_for_tiers": [], "high_quality_base_model_ids": [m for m, _ in _MODELS],
+            "verified_languages": []}
+
+
+def _model_entry(model_id: str, name: str) -> dict[str, Any]:
+    return {"model_id": model_id, "name": name, "can_do_text_to_speech": True,
+            "can_do_voice_conversion": False, "can_be_finetuned": False,
+            "can_use_style": False, "can_use_speaker_boost": False,
+            "serves_pro_voices": False, "requires_alpha_access": False,
+            "token_cost_factor": 1.0, "description": "served by rtts",
+            "maximum_text_length_per_request": MAX_TEXT_CHARS, "languages": []}
 
 
 def _http_error(status: int, code: str, message: str, headers: dict[str, str]) -> Response:

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rtts.api.auth import Authenticator
-from rtts.api.http.common import ApiError, authorize, b64, read_body, sse
+from rtts.api.http.common import ApiError, authorize_listing, b64, read_body, sse
 from rtts.api.http.speech import SpeechBody, SpeechRequest, speak
 from rtts.audio.codecs import codec_for
 from rtts.core.params import SynthParams
@@ -137,8 +137,7 @@ class OpenAIEndpoints:
         return JSONResponse({"voices": [{"id": v, "name": v} for v in names]})
 
     def _auth_only(self, request: Request) -> None:
-        if self.auth.enabled:
-            authorize(self.auth, self.service, request, admit=False)
+        authorize_listing(self.auth, self.service, request)
 
     async def speech(self, request: Request) -> Response:
         service = self.service

@@ -190,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None,
                    help="during a rotation, the old secret: its tokens stay valid (set for one "
                         "--token-ttl after switching; also RTTS_PREVIOUS_TOKEN_SECRET)")
+    s.add_argument("--public-listing", action="store_true",
+                   help="with --api-key: the model and voice name lists (GET /v1/models, "
+                        "/v1/audio/models, /v1/audio/voices; ElevenLabs' /v1/models and "
+                        "/v1/voices) answer without a key, as Open WebUI asks for them")
     s.add_argument("--max-sessions-per-key", type=int, default=None,
                    help="concurrent sessions (WebSockets and streaming HTTP responses) per "
                         "key, per instance")
@@ -345,6 +349,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                                           "--previous-token-secret"),
             max_sessions_per_key=args.max_sessions_per_key,
             sessions_per_minute=args.sessions_per_minute,
+            public_listing=args.public_listing,
         ),
     )
 

@@ -4,7 +4,9 @@ Rules, in order of preference, once the buffer holds at least the current *minim
 (``schedule[i]`` characters for the i-th chunk, the last entry repeating):
 
 1. cut after the first sentence end past the minimum (``。！？!?；;…`` and newlines,
-   or ``.`` followed by whitespace), keeping closing quotes/brackets with the sentence;
+   or ``.`` followed by whitespace, or a ``.`` that joins two sentences with no space:
+   ``dog.Please``, a lowercase word then a capital), keeping closing quotes/brackets
+   with the sentence;
 2. else cut after the first clause mark past the minimum (``，、：,:`` and dashes);
    for the first chunk of a context, whichever of 1 and 2 comes first;
 3. if the buffer exceeds ``max_chars`` with neither, cut at its last whitespace, or
@@ -37,6 +39,8 @@ _SENTENCE_END = frozenset("。！？!?；;…\n")
 _CLAUSE = frozenset("，、：,:—－")
 _CLOSERS = frozenset("\"'”’」』）)]】》")
 _IN_NUMBER = frozenset(".,:%/")  # inside or right after a number: 3.14 1,000 10:30 20% 1/2
+# characters that join a word to what precedes it: domains, paths, addresses, identifiers
+_IN_WORD = frozenset("./\\@:_-#~+=&?")
 _ABBREVIATION = re.compile(
     r"(?<![A-Za-z.])(?:Mr|Mrs|Ms|Dr|Prof|St|Jr|Sr|No|Nos|ext|Ext|vs|etc|approx|Fig|Inc|"
     r"e\.g|i\.e|Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec)$")
@@ -171,6 +175,23 @@ class Segmenter:
         return not before or before[-1] in _SENTENCE_END or before[-1] in _CLAUSE
 
     @staticmethod
+    def _joined_sentences(buf: str, i: int) -> bool:
+        """True if the ``.`` at ``buf[i]`` ends a sentence that the next one follows with no
+        space (``dog.Please``: pipecat sends each sentence of an LLM reply without its
+        trailing space): a lowercase word of two or more letters before it, standing on its
+        own (not part of a domain, path, address or ``U.S.``), and an uppercase letter
+        after it. ``3.5``, ``example.com``, ``node.js``, ``ASP.NET`` and ``U.S.Army`` are
+        not; abbreviations (``Mr.Smith``) are ruled out by the caller."""
+        if i + 1 >= len(buf) or not buf[i + 1].isupper() or not buf[i - 1].islower():
+            return False
+        j = i
+        while j > 0 and buf[j - 1].isalpha():
+            j -= 1
+        if i - j < 2:
+            return False
+        return j == 0 or not (buf[j - 1].isalnum() or buf[j - 1] in _IN_WORD)
+
+    @staticmethod
     def _boundary_after(buf: str, i: int, *, final: bool, sentence: bool) -> int | None:
         """If ``buf[i]`` ends a sentence (or clause), return the cut index after it."""
         ch = buf[i]
@@ -189,7 +210,8 @@ class Segmenter:
             if i + 1 >= n:
                 if not final:
                     return None  # may be a decimal point or an abbreviation still arriving
-            elif not (buf[i + 1].isspace() or buf[i + 1] in _CLOSERS):
+            elif not (buf[i + 1].isspace() or buf[i + 1] in _CLOSERS
+                      or Segmenter._joined_sentences(buf, i)):
                 return None
             if _ABBREVIATION.search(buf, 0, i):
                 return None  # "Dr. Smith", "ext. 204", "Jan. 5": not a sentence end

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import mimetypes
+import re
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rtts import __version__
 from rtts.api.auth import Authenticator
@@ -98,10 +101,17 @@ def build_http_app(service: Service, auth: Authenticator,
         return api_error_response(ApiError(500, "internal server error", type="server_error",
                                            code="internal_error"))
 
+    eleven = ElevenLabsEndpoints(service, auth)
     api_routes = [*RestEndpoints(service, auth).routes(), *OpenAIEndpoints(service, auth).routes(),
                   *VoiceEndpoints(service, auth).routes(),
-                  *ElevenLabsEndpoints(service, auth).routes(),
+                  *eleven.routes(),
                   *(JobEndpoints(service, auth, jobs).routes() if jobs is not None else [])]
+    # /v1/voices and /v1/models are rtts's (or OpenAI's) and ElevenLabs' paths: a GET with
+    # ElevenLabs' key header gets ElevenLabs' shapes
+    eleven_gets = eleven.listing()
+    api_routes = [Route(r.path, _by_protocol(eleven_gets[r.path], r.endpoint),
+                        methods=list(r.methods or ())) if r.path in eleven_gets else r
+                  for r in api_routes]
     api_methods = {r.path: set(r.methods or ()) - {"HEAD"} for r in api_routes
                    if "{" not in r.path}
     routes = [
@@ -115,12 +125,55 @@ def build_http_app(service: Service, auth: Authenticator,
                                                "PATCH", "OPTIONS"]),
     ]
     origins = list(config.auth.allowed_origins) or ["*"]
-    middleware = [Middleware(
+    middleware = [Middleware(RequestId), Middleware(
         CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
-        allow_headers=["*"], expose_headers=["X-Sample-Rate", "Retry-After"], max_age=600)]
+        allow_headers=["*"], expose_headers=["X-Sample-Rate", "Retry-After", "X-Request-Id"],
+        max_age=600)]
     return Starlette(routes=routes, middleware=middleware, exception_handlers={
         ApiError: on_api_error, HTTPException: on_http_error, ClientDisconnect: on_disconnect,
         Exception: on_error})
+
+
+def _by_protocol(eleven: Any, other: Any) -> Any:
+    async def endpoint(request: Request) -> Response:
+        if request.method == "GET" and "xi-api-key" in request.headers:
+            response: Response = await eleven(request)
+        else:
+            response = await other(request)
+        return response
+
+    return endpoint
+
+
+_REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:/+=-]{1,128}$")
+
+
+class RequestId:
+    """``X-Request-Id`` on every response: the client's own (when it is a short token), else
+    a fresh one, so a client's logs and the server's name the same request (LiveKit's
+    plugins log it with every error and warn when it is missing)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = b""
+        for name, value in scope.get("headers") or ():
+            if name == b"x-request-id":
+                rid = value if _REQUEST_ID.match(value) else b""
+                break
+        rid = rid or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def _not_found(request: Request) -> Response:

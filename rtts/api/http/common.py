@@ -23,7 +23,8 @@ from rtts.core.params import SpeechOptions, parse_options
 from rtts.core.service import Service, State
 from rtts.errors import ProtocolError, RttsError
 
-__all__ = ["ApiError", "api_error_response", "auth_api_error", "authorize", "b64",
+__all__ = ["ApiError", "api_error_response", "auth_api_error", "authorize", "authorize_listing",
+           "b64",
            "check_ready", "number_param", "read_body", "speech_options", "sse"]
 
 
@@ -83,6 +84,25 @@ def authorize(auth: Authenticator, service: Service, request: Request, *,
         service.stats.auth_rejected_by[exc.kind] += 1
         raise auth_api_error(exc) from None
     return kid
+
+
+def authorize_listing(auth: Authenticator, service: Service, request: Request, *,
+                      key: str | None = None) -> None:
+    """The check of a model or voice *name* list: none with auth off; with keys, a key (or
+    token), unless ``--public-listing`` is on and the request presents no credentials at
+    all (the origin is still checked). A presented key is always verified."""
+    if not auth.enabled:
+        return
+    presented = (key or request.headers.get("authorization")
+                 or request.query_params.get("token"))
+    if auth.config.public_listing and not presented:
+        try:
+            auth.check_origin(request.headers.get("origin"))
+        except AuthError as exc:
+            service.stats.auth_rejected_by[exc.kind] += 1
+            raise auth_api_error(exc) from None
+        return
+    authorize(auth, service, request, admit=False, key=key)
 
 
 def auth_api_error(exc: AuthError) -> ApiError:

@@ -20,6 +20,10 @@ from websockets.http11 import Request, Response
 
 from rtts import __version__
 from rtts.api.auth import Authenticator
+from rtts.api.cartesia.endpoint import PATH as CARTESIA_PATH
+from rtts.api.cartesia.endpoint import CartesiaEndpoints
+from rtts.api.deepgram.endpoint import PATH as DEEPGRAM_PATH
+from rtts.api.deepgram.endpoint import DeepgramEndpoints, accept_subprotocol
 from rtts.api.elevenlabs import PATH_PREFIX, ElevenLabsEndpoints
 from rtts.api.http.app import build_http_app
 from rtts.api.listener import HttpSide, sniffing_connection_factory
@@ -48,6 +52,8 @@ class App(Service):
         self.auth = Authenticator(config.auth)
         self.native = NativeEndpoint(self, self.auth)
         self.elevenlabs = ElevenLabsEndpoints(self, self.auth, self.native.admission)
+        self.cartesia = CartesiaEndpoints(self, self.auth, self.native.admission)
+        self.deepgram = DeepgramEndpoints(self, self.auth, self.native.admission)
         # long-text jobs: the API wherever a queue is configured, a worker with --jobs
         self.jobs = JobStore(config.jobs) if config.jobs.redis_url else None
         self.job_worker: JobWorker | None = None
@@ -60,17 +66,33 @@ class App(Service):
                              trusted_proxies=config.trusted_proxies)
         self.wyoming: WyomingListener | None = None
 
-    # WebSocket upgrades by path: ElevenLabs' input-streaming sockets, else the native one.
+    # WebSocket upgrades by path: ElevenLabs' input-streaming sockets, Cartesia's and
+    # Deepgram's speak sockets, else the native one.
 
     def ws_process_request(self, connection: ServerConnection, request: Request
                            ) -> Response | None:
-        if request.path.startswith(PATH_PREFIX):
+        path = request.path.split("?", 1)[0]
+        if path.startswith(PATH_PREFIX):
             return self.elevenlabs.process_request(connection, request)
+        if path == CARTESIA_PATH:
+            return self.cartesia.process_request(connection, request)
+        if path == DEEPGRAM_PATH:
+            return self.deepgram.process_request(connection, request)
         return self.native.process_request(connection, request)
 
+    def ws_process_response(self, connection: ServerConnection, request: Request,
+                            response: Response) -> Response | None:
+        accept_subprotocol(request, response)
+        return None
+
     async def ws_handle(self, ws: ServerConnection) -> None:
-        if ws.request is not None and ws.request.path.startswith(PATH_PREFIX):
+        path = ws.request.path.split("?", 1)[0] if ws.request is not None else ""
+        if path.startswith(PATH_PREFIX):
             await self.elevenlabs.handle(ws)
+        elif path == CARTESIA_PATH:
+            await self.cartesia.handle(ws)
+        elif path == DEEPGRAM_PATH:
+            await self.deepgram.handle(ws)
         else:
             await self.native.handle(ws)
 
@@ -104,7 +126,7 @@ class App(Service):
     def busy_connections(self) -> int:
         wyoming = self.wyoming.busy() if self.wyoming is not None else 0
         return (self.native.busy_connections() + self.http.busy + self.elevenlabs.busy()
-                + wyoming)
+                + self.cartesia.busy() + self.deepgram.busy() + wyoming)
 
     async def start_jobs(self) -> None:
         """Start the job worker (``--jobs``): segments fill batch slots live streams leave."""
@@ -144,6 +166,8 @@ class App(Service):
         for conn in list(self.connections):
             await conn.close(CLOSE_GOING_AWAY, "server shutting down")
         await self.elevenlabs.close_all()
+        await self.cartesia.close_all()
+        await self.deepgram.close_all()
         if self.wyoming is not None:
             await self.wyoming.stop()
         await self.http.close()
@@ -166,6 +190,7 @@ async def run_server(config: ServerConfig, engine: Engine | None = None,
     app.server = await serve(
         app.ws_handle, config.host, config.port,
         process_request=app.ws_process_request,
+        process_response=app.ws_process_response,
         # websockets types this as a ServerConnection class; any callable returning an
         # asyncio protocol works (the sniffer hands over to a ServerConnection).
         create_connection=sniffing_connection_factory(app.http),  # type: ignore[arg-type]

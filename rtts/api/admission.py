@@ -148,9 +148,12 @@ class WsAdmission:
                               self.config.trusted_proxies)
 
     def handshake(self, connection: ServerConnection, request: Request, *,
-                  key: str | None = None, key_later: bool = False) -> Response | None:
+                  key: str | None = None, key_later: bool = False,
+                  header: bool = True) -> Response | None:
         """Check a WebSocket upgrade; None to accept it, else the refusal. ``key`` is a key
-        the protocol carries elsewhere (e.g. ElevenLabs' ``xi-api-key`` header). With
+        the protocol carries elsewhere (e.g. ElevenLabs' ``xi-api-key`` header); with
+        ``header`` False the ``Authorization`` header is the protocol's own (Deepgram's
+        ``Token``) and the caller passes what it holds as ``key``. With
         ``key_later``, an upgrade that presents no credentials at all is accepted
         unidentified: the handler must call :meth:`identify_later` before any work."""
         service = self.service
@@ -167,14 +170,14 @@ class WsAdmission:
             return respond(status, f"{reason}\n",
                            extra=[("Retry-After", "5" if status == 429 else "1")])
         query = urllib.parse.parse_qs(urllib.parse.urlsplit(request.path).query)
+        authorization = request.headers.get("Authorization") if header else None
         try:
             self.auth.check_origin(request.headers.get("Origin"))
             token = query["token"][0] if query.get("token") else None
-            kid = self.auth.identify(request.headers.get("Authorization"), token, time.time(),
-                                     key=key)
+            kid = self.auth.identify(authorization, token, time.time(), key=key)
             self.auth.check(kid, time.monotonic())
         except AuthError as exc:
-            presented = key or request.headers.get("Authorization") or query.get("token")
+            presented = key or authorization or query.get("token")
             if exc.status == 401 and key_later and not presented:
                 self._principals[connection] = Principal(None, client)
                 return None

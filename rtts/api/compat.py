@@ -1,10 +1,10 @@
 """What the vendor-compatible front-ends (Cartesia, Deepgram) share, free of I/O.
 
-* :func:`compat_voice`: a vendor's voice or model id -> the rtts ``voice``: named voices
-  (``GET /v1/voices``) and ``seed:N`` as they are; any other id of a vendor's shape (a UUID,
-  ``aura-2-thalia-en``) a fixed speaker drawn from a seed derived from the id, so existing
-  client configs work and one id always sounds the same; anything else is unknown (None).
-* :func:`speed_step`: a speed factor (1.0 normal) -> the engine's speed step 0-9.
+* :func:`compat_voice`: a vendor's voice or model id -> the rtts ``voice``: every name
+  :func:`rtts.core.voicenames.resolve_voice` takes (OpenAI's names, named voices, ``seed:N``,
+  ``piper:NAME``) as there; any other id of a vendor's shape (a UUID, ``aura-2-thalia-en``)
+  a fixed speaker drawn from a seed derived from the id, so existing client configs work
+  and one id always sounds the same; anything else is unknown (None).
 * :class:`RawEncoder`: float32 engine audio -> raw PCM16 / float32 / G.711 at a rate.
 * :class:`FlushMarks`: which flushes are complete, from the segments done so far.
 * :func:`word_times`: a segment's character timings -> its words with start/end times.
@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 import zlib
 from collections import deque
@@ -23,36 +22,32 @@ import numpy.typing as npt
 
 from rtts.audio.codecs import Codec, Encoder, open_encoder
 from rtts.audio.pcm import StreamingResampler
+from rtts.core.voicenames import resolve_voice
+from rtts.errors import ProtocolError
 from rtts.text.timings import CharTimings
 
 if TYPE_CHECKING:
     from rtts.core.service import Service
 
-__all__ = ["FlushMarks", "RawEncoder", "compat_voice", "speed_step", "word_times"]
+__all__ = ["FlushMarks", "RawEncoder", "compat_voice", "word_times"]
 
 _VENDOR_ID: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-.]{0,62}$")
 _SEEDS: Final = 100_000
 
 
 def compat_voice(voice_id: object, service: Service) -> str | None:
-    """The rtts ``voice`` for a vendor voice id, or None when it is not one (pure but for
-    the voice store lookup)."""
-    if not isinstance(voice_id, str) or not voice_id or len(voice_id) > 63:
+    """The rtts ``voice`` for a vendor voice id, or None when it is not one. A voice the
+    engine refuses (a malformed speaker string) raises :class:`ProtocolError`."""
+    if not isinstance(voice_id, str) or not voice_id or len(voice_id) > 4096:
         return None
-    name = voice_id.strip().lower()
-    if service.voices.get(name) is not None:
-        return name
-    if name.startswith("seed:") and name[5:].isdigit() and len(name) <= 15:
-        return name
+    try:
+        return resolve_voice(voice_id, service)
+    except ProtocolError:
+        if len(voice_id) >= 64:
+            raise
     if not _VENDOR_ID.match(voice_id):
         return None
     return f"seed:{zlib.crc32(voice_id.encode()) % _SEEDS}"
-
-
-def speed_step(factor: float) -> int:
-    """A speed factor (0.25-4.0, 1.0 normal) -> speed step 0-9 (5 normal), two and a half
-    steps per doubling (the same mapping as OpenAI's ``speed``)."""
-    return max(0, min(9, round(5 + 2.5 * math.log2(factor))))
 
 
 class RawEncoder:

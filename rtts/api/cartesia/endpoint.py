@@ -16,8 +16,8 @@ context at once: nothing more is sent for it.
 
 Errors are Cartesia ``error`` messages (``status_code``, ``title``, ``message``,
 ``error_code``, ``context_id``); a bad request fails only its context and the socket stays
-open. The socket closes 1013 when the server is overloaded, 1001 on shutdown, 1011 on an
-internal error.
+open (a bug in rtts fails only its context too: an ``internal_error`` naming an incident id
+the server logs). The socket closes 1013 when the server is overloaded, 1001 on shutdown.
 """
 
 from __future__ import annotations
@@ -53,17 +53,19 @@ from rtts.api.cartesia.protocol import (
     parse_request,
     timestamps,
 )
-from rtts.api.compat import FlushMarks, RawEncoder, compat_voice, speed_step, word_times
+from rtts.api.compat import FlushMarks, RawEncoder, compat_voice, word_times
 from rtts.api.handshake import respond
 from rtts.api.http.common import ApiError, HttpContext, authorize, b64, check_ready, read_body
-from rtts.api.native.protocol import SynthParams
+from rtts.api.tasks import OwnedTasks
 from rtts.audio.codecs import Encoder, codec_for, open_encoder
 from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
+from rtts.core.params import SynthParams
 from rtts.core.service import Service
+from rtts.core.voicenames import speed_from_factor
 from rtts.errors import (
     CLOSE_GOING_AWAY,
-    CLOSE_INTERNAL_ERROR,
     CLOSE_TRY_AGAIN_LATER,
+    InternalError,
     ProtocolError,
     RttsError,
 )
@@ -84,13 +86,14 @@ def params_for(gen: Generation, service: Service) -> SynthParams:
     if gen.voice_id is None:
         raise CartesiaError("voice is required: {\"mode\": \"id\", \"id\": ...}",
                             "voice_required")
-    voice = compat_voice(gen.voice_id, service)
-    if voice is None:
-        raise CartesiaError(f"unknown voice {gen.voice_id[:64]!r}: use a voice name "
-                            "(GET /v1/voices), seed:N or a Cartesia voice id (UUID)",
-                            "voice_not_found", status=404, title="Voice not found")
-    params = SynthParams(voice=voice, speed=5 if gen.speed is None else speed_step(gen.speed))
+    speed = 5 if gen.speed is None else speed_from_factor(gen.speed)
     try:
+        voice = compat_voice(gen.voice_id, service)
+        if voice is None:
+            raise CartesiaError(f"unknown voice {gen.voice_id[:64]!r}: use a voice name "
+                                "(GET /v1/voices), seed:N or a Cartesia voice id (UUID)",
+                                "voice_not_found", status=404, title="Voice not found")
+        params = SynthParams(voice=voice, speed=speed)
         service.validate_params(params)
     except ProtocolError as exc:
         raise CartesiaError(exc.message, str(exc.code)) from None
@@ -235,7 +238,7 @@ class _Socket:
         self.endpoint = endpoint
         self.ws = ws
         self.contexts: dict[str, _Context] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = OwnedTasks()
         self._closing = False
 
     async def run(self) -> None:
@@ -254,10 +257,7 @@ class _Socket:
         finally:
             for ctx in list(self.contexts.values()):
                 ctx.stop()
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            self._tasks.clear()
+            await self._tasks.cancel_all()
             self.contexts.clear()
 
     async def close(self, code: int, reason: str = "") -> None:
@@ -345,10 +345,7 @@ class _Socket:
         params = params_for(gen, service)
         ctx = _Context(self, cid, gen, params)
         self.contexts[cid] = ctx
-        task = asyncio.create_task(self._run_context(ctx), name=f"rtts-cartesia-{cid[:32]}")
-        ctx.task = task
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        ctx.task = self._tasks.spawn(self._run_context(ctx), f"rtts-cartesia-{cid[:32]}")
         return ctx
 
     async def _run_context(self, ctx: _Context) -> None:
@@ -356,12 +353,11 @@ class _Socket:
             await ctx.run()
         except ConnectionClosed:
             pass
-        except Exception:
-            logger.exception("cartesia context %s failed", ctx.cid[:64])
+        except Exception as exc:  # a bug ends this context only; the socket goes on
+            error = InternalError.incident(logger, f"cartesia context {ctx.cid[:64]!r}", exc)
             with contextlib.suppress(ConnectionClosed):
-                await self.send(CartesiaError("internal error", "internal_error", status=500,
+                await self.send(CartesiaError(error.message, "internal_error", status=500,
                                               title="Internal error").event(ctx.cid))
-            await self.close(CLOSE_INTERNAL_ERROR, "internal error")
         finally:
             self.endpoint.service.activity.set()
 

@@ -13,7 +13,9 @@ everything not yet sent (no audio of it follows) and answers ``Cleared``; ``Clos
 audio of what was sent finish, then closes 1000. Audio is raw binary messages.
 
 A bad message gets a ``Warning`` and the socket stays; overload sends an ``Error`` and
-closes 1013, a failed synthesis an ``Error`` (the stream goes on), shutdown closes 1001.
+closes 1013, a failed synthesis an ``Error`` (the stream goes on; a bug in rtts ends the
+stream with an ``Error`` naming an incident id the server logs, and the next ``Speak`` starts
+a new one), shutdown closes 1001.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from websockets.http11 import Response as WsResponse
 from rtts import __version__
 from rtts.api.admission import WsAdmission
 from rtts.api.auth import Authenticator
-from rtts.api.compat import FlushMarks, RawEncoder, compat_voice, speed_step
+from rtts.api.compat import FlushMarks, RawEncoder, compat_voice
 from rtts.api.deepgram.protocol import (
     DeepgramError,
     SpeakOptions,
@@ -51,15 +53,17 @@ from rtts.api.deepgram.protocol import (
 )
 from rtts.api.handshake import respond
 from rtts.api.http.common import ApiError, HttpContext, authorize, check_ready, read_body
-from rtts.api.native.protocol import SynthParams
+from rtts.api.tasks import OwnedTasks
 from rtts.audio.codecs import Encoder, codec_for, open_encoder
 from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
+from rtts.core.params import SynthParams
 from rtts.core.service import Service
+from rtts.core.voicenames import speed_from_factor
 from rtts.errors import (
     CLOSE_GOING_AWAY,
-    CLOSE_INTERNAL_ERROR,
     CLOSE_NORMAL,
     CLOSE_TRY_AGAIN_LATER,
+    InternalError,
     ProtocolError,
     RttsError,
 )
@@ -73,13 +77,14 @@ MAX_HTTP_CHARS: Final = 40_960
 
 
 def params_for(opts: SpeakOptions, service: Service) -> SynthParams:
-    voice = compat_voice(opts.model, service)
-    if voice is None:
-        raise DeepgramError(f"unknown model {opts.model[:64]!r}: use a voice name "
-                            "(GET /v1/voices), seed:N or a Deepgram model name",
-                            "INVALID_MODEL")
-    params = SynthParams(voice=voice, speed=5 if opts.speed is None else speed_step(opts.speed))
+    speed = 5 if opts.speed is None else speed_from_factor(opts.speed)
     try:
+        voice = compat_voice(opts.model, service)
+        if voice is None:
+            raise DeepgramError(f"unknown model {opts.model[:64]!r}: use a voice name "
+                                "(GET /v1/voices), seed:N or a Deepgram model name",
+                                "INVALID_MODEL")
+        params = SynthParams(voice=voice, speed=speed)
         service.validate_params(params)
     except ProtocolError as exc:
         raise DeepgramError(exc.message, "INVALID_MODEL") from None
@@ -134,6 +139,7 @@ class _Socket:
         self.flushes = 0  # Flushed sequence ids, from 0
         self.clears = 0
         self._closing = False
+        self._tasks = OwnedTasks()
 
     @property
     def busy(self) -> bool:
@@ -157,6 +163,7 @@ class _Socket:
             pass
         finally:
             await self._drop()
+            await self._tasks.cancel_all()
 
     async def close(self, code: int, reason: str = "") -> None:
         if self._closing:
@@ -235,9 +242,7 @@ class _Socket:
                 max_chunk_chars=service.config.limits.default_max_chunk_chars)
             self.marks = FlushMarks()
             self.chars = 0
-            task = asyncio.create_task(self._run_stream(self.speech),
-                                       name="rtts-deepgram-stream")
-            self.task = task
+            self.task = self._tasks.spawn(self._run_stream(self.speech), "rtts-deepgram-stream")
         self.chars += len(text)
         self.marks.feed(text)
         self.speech.feed(text)
@@ -259,12 +264,14 @@ class _Socket:
             await self._stream(speech)
         except (ConnectionClosed, asyncio.CancelledError):
             pass
-        except Exception:
-            logger.exception("deepgram stream failed")
+        except Exception as exc:  # a bug ends this stream only; a new Speak starts another
+            error = InternalError.incident(logger, "deepgram stream", exc)
+            if self.speech is speech:
+                self.speech, self.task = None, None
+            speech.close()
             with contextlib.suppress(ConnectionClosed):
-                await self.send(DeepgramError("internal error", "INTERNAL_SERVER_ERROR",
+                await self.send(DeepgramError(error.message, "INTERNAL_SERVER_ERROR",
                                               fatal=True).event())
-            await self.close(CLOSE_INTERNAL_ERROR, "internal error")
         finally:
             self.endpoint.service.activity.set()
 

@@ -22,7 +22,7 @@ from rtts import __version__
 from rtts.api.auth import Authenticator
 from rtts.api.cartesia.endpoint import PATH as CARTESIA_PATH
 from rtts.api.cartesia.endpoint import CartesiaEndpoints
-from rtts.api.deepgram.endpoint import PATH as DEEPGRAM_PATH
+from rtts.api.deepgram.endpoint import PATHS as DEEPGRAM_PATHS
 from rtts.api.deepgram.endpoint import DeepgramEndpoints, accept_subprotocol
 from rtts.api.elevenlabs import PATH_PREFIX, ElevenLabsEndpoints
 from rtts.api.http.app import build_http_app
@@ -76,7 +76,7 @@ class App(Service):
             return self.elevenlabs.process_request(connection, request)
         if path == CARTESIA_PATH:
             return self.cartesia.process_request(connection, request)
-        if path == DEEPGRAM_PATH:
+        if path in DEEPGRAM_PATHS:
             return self.deepgram.process_request(connection, request)
         return self.native.process_request(connection, request)
 
@@ -91,7 +91,7 @@ class App(Service):
             await self.elevenlabs.handle(ws)
         elif path == CARTESIA_PATH:
             await self.cartesia.handle(ws)
-        elif path == DEEPGRAM_PATH:
+        elif path in DEEPGRAM_PATHS:
             await self.deepgram.handle(ws)
         else:
             await self.native.handle(ws)

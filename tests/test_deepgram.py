@@ -234,6 +234,96 @@ async def test_pipecat_deepgram_turns_interruption_errors_and_http() -> None:
         assert not out["errors"] and len(out["audio"][0]) > 9600
 
 
+# -- Flux, /v2/speak ------------------------------------------------------------------------
+
+
+async def test_flux_turns_interrupt_and_configure() -> None:
+    async with server(engine=FakeEngine(ms_per_char=20, rtf=0.5)) as (app, _):
+        url = f"ws://127.0.0.1:{bound_port(app)}/v2/speak?model=flux-alexis-en&sample_rate=24000"
+        async with connect(url, additional_headers={"Authorization": "Token k"}) as ws:
+            assert json.loads(await ws.recv())["type"] == "Connected"
+            await ws.send(json.dumps({"type": "Interrupt"}))
+            assert json.loads(await ws.recv())["code"] == "NO_ACTIVE_SPEECH"
+            await ws.send(json.dumps({"type": "Configure", "speed": 1.2}))
+            assert json.loads(await ws.recv()) == {"type": "ConfigureSuccess",
+                                                   "applied": {"speed": 1.2}}
+            await ws.send(json.dumps({"type": "Configure", "speed": 9}))
+            assert json.loads(await ws.recv())["type"] == "ConfigureFailure"
+            for word in ("Hello ", "there, ", "friend."):
+                await ws.send(json.dumps({"type": "Speak", "text": word}))
+            await ws.send(json.dumps({"type": "Flush"}))
+            started = json.loads(await ws.recv())
+            assert started["type"] == "SpeechStarted"
+            audio, meta = await _audio_until(ws, "SpeechMetadata")
+            assert meta["speech_id"] == started["speech_id"]
+            assert meta["billable_character_count"] == len("Hello there, friend.")
+            assert abs(meta["audio_duration_ms"] - len(audio) / 48) <= 1
+            assert json.loads(await ws.recv()) == {"type": "Flushed", "sequence_id": 0}
+            # a second turn, interrupted at its first audio: nothing of it follows
+            await ws.send(json.dumps({"type": "Speak", "text": "A long second turn that "
+                                      "the user interrupts. Nobody hears this part."}))
+            await ws.send(json.dumps({"type": "Flush"}))
+            assert json.loads(await ws.recv())["type"] == "SpeechStarted"
+            assert isinstance(await ws.recv(), bytes)
+            await ws.send(json.dumps({"type": "Interrupt"}))
+            _, stopped = await _audio_until(ws, "SpeechInterrupted")
+            assert stopped["audio_played_ms"] > 0
+            await ws.send(json.dumps({"type": "Interrupt"}))
+            assert json.loads(await ws.recv())["code"] == "NO_ACTIVE_SPEECH"  # no late audio
+            await ws.send(json.dumps({"type": "Speak", "text": "Third."}))
+            await ws.send(json.dumps({"type": "Close"}))
+            tail = [m async for m in ws]
+            assert sum(len(m) for m in tail if isinstance(m, bytes)) > 2400
+            assert json.loads(tail[-1])["type"] == "SpeechMetadata" and ws.close_code == 1000
+
+
+async def test_livekit_and_pipecat_flux() -> None:
+    from livekit.agents import APIConnectOptions, APIStatusError
+    from livekit.plugins import deepgram
+    from pipecat.services.deepgram.flux.tts import DeepgramFluxTTSService
+
+    cfg = replace(base_config(), auth=AuthConfig(api_keys=("sekrit",)))
+    async with server(cfg, FakeEngine(ms_per_char=10, rtf=1.0)) as (app, _):
+        port = bound_port(app)
+
+        def lk(session: aiohttp.ClientSession, **kw: Any) -> Any:
+            return deepgram.TTSv2(**{"api_key": "sekrit", "http_session": session,
+                                     "base_url": f"http://127.0.0.1:{port}/v2/speak", **kw})
+
+        async with aiohttp.ClientSession() as session:
+            tts = lk(session)
+            turns = await livekit_turns(tts, [SENTENCES[0], SENTENCES[1]])
+            assert all(len(t["pcm"]) > 9600 for t in turns)
+            assert app.stats.connections_total == 1
+            await tts.aclose()
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(APIStatusError) as info:
+                async with lk(session, api_key="wrong").stream(
+                        conn_options=APIConnectOptions(max_retry=0, timeout=5)) as s:
+                    s.push_text("Hello.")
+                    s.end_input()
+                    async for _ in s:
+                        pass
+            assert info.value.status_code == 401
+
+        def pc(**kw: Any) -> Any:
+            return lambda: DeepgramFluxTTSService(
+                api_key=kw.get("api_key", "sekrit"), url=f"ws://127.0.0.1:{port}/v2/speak",
+                sample_rate=24000)
+
+        out = await asyncio.to_thread(pipecat_run, pc(), [SENTENCES[0], SENTENCES[1]])
+        assert not out["errors"], out["errors"]
+        assert len(out["audio"]) == 2 and all(len(a) > 9600 for a in out["audio"])
+        before = app.stats.cancels
+        out = await asyncio.to_thread(pipecat_run, pc(), [TEXT, SENTENCES[4]],
+                                      interrupt_after_audio=True)
+        assert app.stats.cancels > before  # pipecat's Interrupt stopped the turn
+        assert len(out["audio"]) == 2 and len(out["audio"][1]) > 9600
+        assert out["after_interrupt"] < 24000 * 2 * 0.5, out["after_interrupt"]
+        out = await asyncio.to_thread(pipecat_run, pc(api_key="wrong"), ["Hello."], timeout=10)
+        assert out["errors"], "a refused key must surface as an ErrorFrame"
+
+
 # -- speech: the piper voice through each framework -----------------------------------------
 
 
@@ -262,6 +352,21 @@ async def test_wer_through_livekit_and_pipecat_deepgram_matches_piper(piper_wer:
         out = await asyncio.to_thread(pipecat_run, _pipecat_ws(port, voice=PIPER_VOICE),
                                       [TEXT], timeout=60)
         pipecat = wer_of(out["audio"][0], 24000)
+        from livekit.plugins import deepgram
+        from pipecat.services.deepgram.flux.tts import DeepgramFluxTTSService
+
+        async with aiohttp.ClientSession() as session:
+            tts = deepgram.TTSv2(api_key="k", model=PIPER_VOICE, http_session=session,
+                                 base_url=f"http://127.0.0.1:{port}/v2/speak")
+            (turn,) = await livekit_turns(tts, [TEXT])
+            await tts.aclose()
+        livekit_flux = wer_of(turn["pcm"], 24000)
+        out = await asyncio.to_thread(pipecat_run, lambda: DeepgramFluxTTSService(
+            api_key="k", url=f"ws://127.0.0.1:{port}/v2/speak", sample_rate=24000,
+            settings=DeepgramFluxTTSService.Settings(voice=PIPER_VOICE)), [TEXT], timeout=60)
+        pipecat_flux = wer_of(out["audio"][0], 24000)
     print(f"WER piper direct {piper_wer:.3f}, LiveKit deepgram {livekit:.3f}, "
-          f"pipecat deepgram {pipecat:.3f}")
-    assert livekit <= piper_wer + MARGIN and pipecat <= piper_wer + MARGIN
+          f"pipecat deepgram {pipecat:.3f}, LiveKit flux {livekit_flux:.3f}, "
+          f"pipecat flux {pipecat_flux:.3f}")
+    for wer in (livekit, pipecat, livekit_flux, pipecat_flux):
+        assert wer <= piper_wer + MARGIN

@@ -445,7 +445,9 @@ CARTESIA_FIELDS = {
 }
 DEEPGRAM_MESSAGES = [{"type": "Speak", "text": "Hello there. "}, {"type": "Speak", "text": 5},
                      {"type": "Speak", "text": "x" * 3000}, {"type": "Flush"},
-                     {"type": "Clear"}, {"type": "Bogus"}, {"type": "Speak"}, [], "x"]
+                     {"type": "Clear"}, {"type": "Bogus"}, {"type": "Speak"}, [], "x",
+                     {"type": "Interrupt"}, {"type": "Configure", "speed": 1.1},
+                     {"type": "Configure", "speed": "fast"}]
 DEEPGRAM_QUERIES = ["?model=aura-2-thalia-en", "?encoding=mulaw", "?encoding=mp3",
                     "?sample_rate=123", "?model=bad%20model!", "", "?speed=nan",
                     "?encoding=linear16&sample_rate=16000&speed=1.2"]
@@ -468,7 +470,8 @@ async def test_cartesia_and_deepgram_socket_fuzz_leave_server_healthy(caplog):
             nonlocal refused
             r = random.Random(seed)
             deepgram = r.random() < 0.5
-            target = (f"ws://127.0.0.1:{port}/v1/speak" + r.choice(DEEPGRAM_QUERIES)
+            target = (f"ws://127.0.0.1:{port}" + r.choice(["/v1/speak", "/v2/speak"])
+                      + r.choice(DEEPGRAM_QUERIES)
                       if deepgram else f"ws://127.0.0.1:{port}/tts/websocket")
             n, ws = 0, None
             try:
@@ -493,7 +496,10 @@ async def test_cartesia_and_deepgram_socket_fuzz_leave_server_healthy(caplog):
                                         assert msg["type"] in (
                                             "chunk", "timestamps", "flush_done", "done",
                                             "error", "Metadata", "Flushed", "Cleared",
-                                            "Warning", "Error"), msg
+                                            "Warning", "Error", "Connected",
+                                            "SpeechStarted", "SpeechMetadata",
+                                            "SpeechInterrupted", "ConfigureSuccess",
+                                            "ConfigureFailure"), msg
                     if deepgram:
                         await ws.send(json.dumps({"type": "Close"}))
                         async with asyncio.timeout(10):

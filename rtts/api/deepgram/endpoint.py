@@ -6,7 +6,8 @@ with Deepgram's JSON error body), then the same admission as every socket on the
 ``Authorization: Token KEY`` or the subprotocols ``token, KEY`` (``Bearer`` and rtts
 ``?token=`` work too). The server sends ``Metadata`` at once.
 
-One stream per socket: every ``Speak`` adds text to one
+``/v2/speak`` (Flux, :mod:`.flux`) shares the handshake. On ``/v1/speak``, one stream per
+socket: every ``Speak`` adds text to one
 :class:`~rtts.core.context.SpeechContext`, cut at punctuation as it comes; ``Flush`` cuts
 what is buffered and answers ``Flushed`` once that audio is sent; ``Clear`` drops
 everything not yet sent (no audio of it follows) and answers ``Cleared``; ``Close`` lets the
@@ -41,6 +42,7 @@ from rtts import __version__
 from rtts.api.admission import WsAdmission
 from rtts.api.auth import Authenticator
 from rtts.api.compat import FlushMarks, RawEncoder, compat_voice
+from rtts.api.deepgram.flux import FLUX_PATH, FluxSocket
 from rtts.api.deepgram.protocol import (
     DeepgramError,
     SpeakOptions,
@@ -68,11 +70,12 @@ from rtts.errors import (
     RttsError,
 )
 
-__all__ = ["PATH", "DeepgramEndpoints", "accept_subprotocol"]
+__all__ = ["FLUX_PATH", "PATH", "PATHS", "DeepgramEndpoints", "accept_subprotocol"]
 
 logger = logging.getLogger("rtts.deepgram")
 
 PATH: Final = "/v1/speak"
+PATHS: Final = (PATH, FLUX_PATH)
 MAX_HTTP_CHARS: Final = 40_960
 
 
@@ -104,7 +107,7 @@ def accept_subprotocol(request: WsRequest, response: WsResponse) -> None:
     """Name Deepgram's ``token`` subprotocol in a ``/v1/speak`` upgrade's 101 when the
     client offered it (the key rides in the second subprotocol, as browser SDKs send it;
     a browser refuses an upgrade that does not name one of its subprotocols)."""
-    if response.status_code != 101 or request.path.split("?", 1)[0] != PATH:
+    if response.status_code != 101 or request.path.split("?", 1)[0] not in PATHS:
         return
     offered = _subprotocols(", ".join(request.headers.get_all("Sec-WebSocket-Protocol")))
     if offered and offered[0].lower() == "token" and "Sec-WebSocket-Protocol" not in (
@@ -316,14 +319,15 @@ class DeepgramEndpoints:
         self.service = service
         self.auth = auth
         self.admission = admission  # None on an HTTP-only instance
-        self.sockets: set[_Socket] = set()
+        self.sockets: set[_Socket | FluxSocket] = set()
 
     # -- WebSocket
 
     def process_request(self, connection: ServerConnection, request: WsRequest
                         ) -> WsResponse | None:
-        if request.path.split("?", 1)[0] != PATH:
-            return respond(404, f"not found: the Deepgram socket is {PATH}\n")
+        if request.path.split("?", 1)[0] not in PATHS:
+            return respond(404, f"not found: the Deepgram sockets are {PATH} and "
+                                f"{FLUX_PATH}\n")
         assert self.admission is not None
         try:
             params_for(parse_options(_query(request.path)), self.service)
@@ -343,8 +347,12 @@ class DeepgramEndpoints:
         async with self.admission.session(ws) as principal:
             if principal is None:
                 return
-            opts = parse_options(_query(ws.request.path if ws.request is not None else ""))
-            sock = _Socket(self, ws, opts, params_for(opts, self.service))
+            path = ws.request.path if ws.request is not None else ""
+            opts = parse_options(_query(path))
+            params = params_for(opts, self.service)
+            sock: _Socket | FluxSocket = (
+                FluxSocket(self, ws, opts, params) if path.split("?", 1)[0] == FLUX_PATH
+                else _Socket(self, ws, opts, params))
             self.sockets.add(sock)
             self.service.stats.connections_total += 1
             try:
@@ -363,7 +371,8 @@ class DeepgramEndpoints:
     # -- HTTP
 
     def routes(self) -> list[Route]:
-        return [Route(PATH, self.speak, methods=["POST"])]
+        return [Route(PATH, self.speak, methods=["POST"]),
+                Route(FLUX_PATH, self.speak, methods=["POST"])]
 
     async def speak(self, request: Request) -> Response:
         request_id = str(uuid.uuid4())

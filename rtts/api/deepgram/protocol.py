@@ -8,6 +8,13 @@ ignored); the key as ``Authorization: Token KEY`` (or ``Bearer``) or the subprot
 ``Cleared`` with ``sequence_id``, ``Warning`` / ``Error`` with ``description`` and
 ``code``.
 
+Flux, ``/v2/speak``: the same handshake; ``Connected`` first; a turn starts with the first
+``Speak`` (``SpeechStarted`` before its audio) and ends with ``Flush`` (its audio, then
+``SpeechMetadata`` with ``audio_duration_ms`` and ``billable_character_count``, then
+``Flushed``); ``Interrupt`` stops the turn (``SpeechInterrupted`` with ``audio_played_ms``;
+``Warning NO_ACTIVE_SPEECH`` when none is active); ``Configure {speed}`` applies from the
+next turn (``ConfigureSuccess`` / ``ConfigureFailure``).
+
 ``POST /v1/speak``: the same query (plus ``container`` none|wav and the compressed
 encodings mp3, opus, flac, aac), body ``{"text": ...}``; errors as
 ``{"err_code", "err_msg", "request_id"}``.
@@ -21,8 +28,10 @@ from typing import Any, Final
 
 import orjson
 
-__all__ = ["DeepgramError", "Message", "SpeakOptions", "auth_key", "cleared", "flushed",
-           "metadata", "parse_message", "parse_options", "warning"]
+__all__ = ["DeepgramError", "Message", "SpeakOptions", "auth_key", "cleared", "configure_failure",
+           "configure_success", "connected", "flushed", "metadata", "parse_message",
+           "parse_options", "speech_interrupted", "speech_metadata", "speech_started",
+           "warning"]
 
 DEFAULT_MODEL: Final = "aura-2-thalia-en"
 WS_ENCODINGS: Final = {"linear16": "s16", "mulaw": "mulaw", "alaw": "alaw"}
@@ -30,6 +39,7 @@ HTTP_ENCODINGS: Final = {**WS_ENCODINGS, "mp3": "mp3", "opus": "opus", "flac": "
                          "aac": "aac"}
 RATES: Final = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
 MESSAGE_TYPES: Final = ("Speak", "Flush", "Clear", "Close")
+FLUX_TYPES: Final = ("Speak", "Flush", "Interrupt", "Configure", "Close")
 
 
 class DeepgramError(Exception):
@@ -127,12 +137,15 @@ def auth_key(authorization: str | None, subprotocols: list[str]) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    type: str  # Speak | Flush | Clear | Close
+    type: str  # Speak | Flush | Clear | Close (v1); Speak | Flush | Interrupt | Configure | Close
     text: str = ""
+    speed: float | None = None  # Configure
 
 
-def parse_message(raw: str | bytes, *, max_text_chars: int) -> Message:
-    """One client message, else :class:`DeepgramError` (a warning: the socket stays)."""
+def parse_message(raw: str | bytes, *, max_text_chars: int, flux: bool = False) -> Message:
+    """One client message (``flux``: of ``/v2/speak``), else :class:`DeepgramError` (a
+    warning: the socket stays). A ``Configure`` with a bad ``speed`` raises with code
+    ``INVALID_SPEED`` (Flux answers ``ConfigureFailure``)."""
     if isinstance(raw, bytes):
         raise DeepgramError("binary messages are not accepted; send JSON text",
                             "INVALID_MESSAGE")
@@ -143,11 +156,17 @@ def parse_message(raw: str | bytes, *, max_text_chars: int) -> Message:
     if not isinstance(obj, dict):
         raise DeepgramError("a message must be a JSON object", "INVALID_MESSAGE")
     kind = obj.get("type")
-    if kind not in MESSAGE_TYPES:
-        raise DeepgramError(f"type must be one of {', '.join(MESSAGE_TYPES)}",
-                            "INVALID_MESSAGE")
+    types = FLUX_TYPES if flux else MESSAGE_TYPES
+    if kind not in types:
+        raise DeepgramError(f"type must be one of {', '.join(types)}", "INVALID_MESSAGE")
+    if kind == "Configure":
+        speed = obj.get("speed")
+        if speed is not None and (isinstance(speed, bool) or not isinstance(speed, int | float)
+                                  or not 0.25 <= speed <= 4.0):
+            raise DeepgramError("speed must be a number from 0.25 to 4.0", "INVALID_SPEED")
+        return Message("Configure", speed=None if speed is None else float(speed))
     if kind != "Speak":
-        return Message(kind)
+        return Message(str(kind))
     text = obj.get("text")
     if not isinstance(text, str):
         raise DeepgramError("Speak needs text: a string", "INVALID_MESSAGE")
@@ -172,3 +191,34 @@ def cleared(sequence_id: int) -> dict[str, Any]:
 
 def warning(description: str, code: str) -> dict[str, Any]:
     return {"type": "Warning", "description": description, "code": code}
+
+
+# -- Flux (/v2/speak) -------------------------------------------------------------------------
+
+
+def connected(request_id: str, model: str, version: str) -> dict[str, Any]:
+    return {"type": "Connected", "request_id": request_id, "model_name": model,
+            "model_version": version}
+
+
+def speech_started(speech_id: str) -> dict[str, Any]:
+    return {"type": "SpeechStarted", "speech_id": speech_id}
+
+
+def speech_metadata(speech_id: str, audio_ms: float, characters: int) -> dict[str, Any]:
+    return {"type": "SpeechMetadata", "speech_id": speech_id,
+            "audio_duration_ms": round(audio_ms), "billable_character_count": characters}
+
+
+def speech_interrupted(speech_id: str, played_ms: float) -> dict[str, Any]:
+    return {"type": "SpeechInterrupted", "speech_id": speech_id,
+            "audio_played_ms": round(played_ms)}
+
+
+def configure_success(speed: float | None) -> dict[str, Any]:
+    return {"type": "ConfigureSuccess", "applied": {} if speed is None else {"speed": speed}}
+
+
+def configure_failure(exc: DeepgramError, value: Any) -> dict[str, Any]:
+    return {"type": "ConfigureFailure", "code": exc.code, "field": "speed", "value": value,
+            "description": exc.message}

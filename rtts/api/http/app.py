@@ -5,7 +5,7 @@ Protocol front-ends each live in their own module and only call the core:
 ``/v1/token``, ``/v1/info``, ``/v1/formats``) and :mod:`rtts.api.openai`
 (``/v1/audio/speech``, ``/v1/models``, ``/v1/audio/models``, ``/v1/audio/voices``) and
 :mod:`rtts.api.elevenlabs` (``/v1/text-to-speech/{voice_id}…``), :mod:`rtts.api.cartesia`
-(``/tts/bytes``) and :mod:`rtts.api.deepgram` (``POST /v1/speak``).
+(``/tts/bytes``) and :mod:`rtts.api.deepgram` (``POST /v1/speak``, ``/v2/speak``).
 """
 
 from __future__ import annotations
@@ -319,8 +319,8 @@ def openapi_schema(service: Service) -> dict[str, Any]:
                 "responses": {"200": {"description": "audio, streamed"},
                               "400": {"description": "bad request (Cartesia error shape)"},
                               "404": {"description": "unknown voice"}}}},
-            "/v1/speak": {"post": {
-                "summary": "Deepgram-compatible speech (key as Authorization: Token)",
+            **{path: {"post": {
+                "summary": f"Deepgram-compatible speech{what} (key as Authorization: Token)",
                 "parameters": [{"name": n, "in": "query", "schema": {"type": t}}
                                for n, t in (("model", "string"), ("encoding", "string"),
                                             ("sample_rate", "integer"),
@@ -330,7 +330,8 @@ def openapi_schema(service: Service) -> dict[str, Any]:
                     "schema": {"type": "object", "required": ["text"],
                                "properties": {"text": {"type": "string"}}}}}},
                 "responses": {"200": {"description": "audio, streamed"},
-                              "400": {"description": "bad request (Deepgram error shape)"}}}},
+                              "400": {"description": "bad request (Deepgram error shape)"}}}}
+               for path, what in (("/v1/speak", ""), ("/v2/speak", ", Flux"))},
             "/v1/formats": {"get": {"summary": "audio formats",
                                     "responses": {"200": {"description": "formats"}}}},
             "/v1/token": {"get": {"summary": "short-lived browser token for a key",

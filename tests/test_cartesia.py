@@ -193,6 +193,43 @@ async def test_bytes_endpoint_and_its_errors() -> None:
                 assert r.status == 404 and (await r.json())["error_code"] == "voice_not_found"
 
 
+# -- the Cartesia SDK ---------------------------------------------------------------------------
+
+
+async def test_cartesia_sdk_bytes_sse_and_websocket_contexts() -> None:
+    from cartesia import AsyncCartesia
+
+    cfg = replace(base_config(), auth=AuthConfig(api_keys=("sekrit",)))
+    async with server(cfg) as (app, _):
+        port = bound_port(app)
+        client = AsyncCartesia(api_key="sekrit", base_url=f"http://127.0.0.1:{port}",
+                               websocket_base_url=f"ws://127.0.0.1:{port}")
+        fmt = {"container": "raw", "encoding": "pcm_f32le", "sample_rate": 16000}
+        resp = await client.tts.generate(model_id="sonic-3", transcript="Hello there.",
+                                         voice={"mode": "id", "id": VOICE}, output_format=fmt)
+        audio = await resp.read()
+        assert len(audio) > 16000 * 4 * 0.2 and len(audio) % 4 == 0
+        events = [e async for e in await client.tts.generate_sse(
+            model_id="sonic-3", transcript="Hello there. How are you?", voice=VOICE,
+            output_format=fmt, add_timestamps=True)]
+        kinds = [e.type for e in events]
+        assert kinds[-1] == "done" and "chunk" in kinds and "timestamps" in kinds
+        words = [w for e in events if e.type == "timestamps" and e.word_timestamps
+                 for w in e.word_timestamps.words]
+        assert words == ["Hello", "there.", "How", "are", "you?"]
+        async with client.tts.websocket_connect() as conn:
+            ctx = conn.context(model_id="sonic-3", voice={"mode": "id", "id": VOICE},
+                               output_format=FMT, add_timestamps=True)
+            await ctx.push("Hello from the SDK. ")
+            await ctx.push("A second piece.")
+            await ctx.no_more_inputs()
+            got = [r async for r in ctx.receive()]
+            assert got[-1].type == "done"
+            pcm = b"".join(r.audio or b"" for r in got if r.type == "chunk")
+            assert len(pcm) > 9600
+        await client.close()
+
+
 # -- LiveKit's cartesia plugin --------------------------------------------------------------
 
 

@@ -1,5 +1,8 @@
 """The Cartesia-compatible socket ``/tts/websocket`` and ``POST /tts/bytes`` on the core.
 
+HTTP: ``POST /tts/bytes`` (raw, wav or mp3) and ``POST /tts/sse`` (the socket's messages as
+Server-Sent Events), the same request object without ``continue``.
+
 Handshake: the same checks as every socket on the port (:class:`WsAdmission`: readiness,
 connection caps, origin, key, quotas), the key read from ``X-API-Key`` or the
 ``api_key`` / ``access_token`` query parameter (``Authorization: Bearer`` and rtts
@@ -28,6 +31,7 @@ import logging
 import time
 import urllib.parse
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import orjson
@@ -422,11 +426,18 @@ class CartesiaEndpoints:
     # -- HTTP
 
     def routes(self) -> list[Route]:
-        return [Route("/tts/bytes", self.bytes, methods=["POST"])]
+        return [Route("/tts/bytes", self.bytes, methods=["POST"]),
+                Route("/tts/sse", self.sse, methods=["POST"])]
 
     async def bytes(self, request: Request) -> Response:
+        return await self._answer(request, sse=False)
+
+    async def sse(self, request: Request) -> Response:
+        return await self._answer(request, sse=True)
+
+    async def _answer(self, request: Request, sse: bool) -> Response:
         try:
-            return await self._bytes(request)
+            return await self._bytes(request, sse)
         except ApiError as exc:
             err = CartesiaError(exc.message, exc.code or "error", status=exc.status,
                                 title="Request failed")
@@ -434,7 +445,7 @@ class CartesiaEndpoints:
         except CartesiaError as exc:
             return _http_error(exc, {})
 
-    async def _bytes(self, request: Request) -> Response:
+    async def _bytes(self, request: Request, sse: bool) -> Response:
         service = self.service
         kid = authorize(self.auth, service, request, key=request.headers.get("x-api-key"))
         try:
@@ -458,18 +469,66 @@ class CartesiaEndpoints:
             ctx.feed(gen.transcript)
             ctx.end()
             fmt = gen.output_format
+            if sse and fmt.container != "raw":
+                raise CartesiaError("/tts/sse sends raw audio: output_format.container raw",
+                                    "invalid_output_format")
             encoder = encoder_for(fmt, service.engine.sample_rate)
         except BaseException:
             self.auth.release(kid)
             raise
         stream = HttpContext(ctx, encoder, lambda: self.auth.release(kid))
         await stream.start()
+        if sse:
+            return StreamingResponse(_sse(stream, gen), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-store"},
+                                     background=BackgroundTask(stream.aclose))
         codec = codec_for("mp3" if fmt.container == "mp3" else "wav")
         media = (codec.media_type if codec is not None and fmt.container != "raw"
                  else "application/octet-stream")
         return StreamingResponse(stream.chunks(), media_type=media,
                                  headers={"Cache-Control": "no-store"},
                                  background=BackgroundTask(stream.aclose))
+
+
+async def _sse(stream: HttpContext, gen: Generation) -> AsyncIterator[bytes]:
+    """``/tts/sse``: the socket's messages for one context, as Server-Sent Events."""
+    cid = gen.context_id or uuid.uuid4().hex
+    rate = stream.ctx.sample_rate
+    texts: dict[int, str] = {}
+    offset_ms = 0.0
+    last = time.monotonic()
+    try:
+        async for event in stream._all():
+            if isinstance(event, Audio):
+                data = stream.encoder.encode(event.samples)
+                if data:
+                    now = time.monotonic()
+                    yield _event(chunk(cid, b64(data), (now - last) * 1000, None))
+                    last = now
+            elif isinstance(event, SegmentStarted):
+                texts[event.index] = event.text
+            elif isinstance(event, SegmentDone):
+                text = texts.pop(event.index, "")
+                if gen.add_timestamps:
+                    words, start, stop = word_times(text, event.timings, offset_ms)
+                    if words:
+                        yield _event(timestamps(cid, words, start, stop, None))
+                offset_ms += event.samples * 1000 / rate
+            elif isinstance(event, SegmentFailed):
+                err = event.error
+                yield _event(CartesiaError(err.message, str(err.code), status=500,
+                                           title="Generation failed").event(cid))
+                return
+        tail = stream.encoder.finish()
+        if tail:
+            yield _event(chunk(cid, b64(tail), 0.0, None))
+        yield _event(done(cid))
+    finally:
+        await stream.aclose()
+
+
+def _event(message: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(message) + b"\n\n"
 
 
 def _first(query: dict[str, list[str]], name: str) -> str | None:

@@ -11,7 +11,8 @@ or a cancel, ``{"context_id", "cancel": true}``. Server messages: ``chunk`` (bas
 ``data``), ``timestamps`` (``word_timestamps {words, start, end}`` in seconds from the
 context's start), ``flush_done``, ``done``, ``error``; each carries ``context_id``,
 ``status_code`` and ``done``. ``POST /tts/bytes`` takes the same request object (without
-``context_id``) and answers the audio.
+``context_id``) and answers the audio; ``POST /tts/sse`` answers the socket's ``chunk``,
+``timestamps`` and ``done`` messages as Server-Sent Events.
 """
 
 from __future__ import annotations
@@ -121,8 +122,10 @@ def parse_output_format(obj: Any, *, http: bool = False) -> OutputFormat:
 def _voice(obj: Any) -> tuple[str | None, bool]:
     if obj is None:
         return None, False
+    if isinstance(obj, str) and obj:  # the SDK's newer form: the id alone
+        return obj, False
     if not isinstance(obj, dict):
-        raise _bad("voice must be an object {mode: \"id\", id}")
+        raise _bad("voice must be a voice id or an object {mode: \"id\", id}")
     mode = obj.get("mode", "id")
     if mode == "embedding":
         emb = obj.get("embedding")
@@ -200,7 +203,7 @@ def parse_request(obj: Any, *, max_text_chars: int, http: bool = False) -> Gener
     if delay is not None and (isinstance(delay, bool) or not isinstance(delay, int)
                               or not 0 <= delay <= 5000):
         raise _bad("max_buffer_delay_ms must be an integer from 0 to 5000")
-    for name in ("language", "pronunciation_dict_id"):
+    for name in ("language", "locale", "pronunciation_dict_id", "normalization"):
         if obj.get(name) is not None and not isinstance(obj[name], str):
             raise _bad(f"{name} must be a string")
     duration = obj.get("duration")

@@ -5,7 +5,7 @@ Protocol front-ends each live in their own module and only call the core:
 ``/v1/token``, ``/v1/info``, ``/v1/formats``) and :mod:`rtts.api.openai`
 (``/v1/audio/speech``, ``/v1/models``, ``/v1/audio/models``, ``/v1/audio/voices``) and
 :mod:`rtts.api.elevenlabs` (``/v1/text-to-speech/{voice_id}…``), :mod:`rtts.api.cartesia`
-(``/tts/bytes``) and :mod:`rtts.api.deepgram` (``POST /v1/speak``, ``/v2/speak``).
+(``/tts/bytes``, ``/tts/sse``) and :mod:`rtts.api.deepgram` (``POST /v1/speak``, ``/v2/speak``).
 """
 
 from __future__ import annotations
@@ -297,8 +297,8 @@ def openapi_schema(service: Service) -> dict[str, Any]:
                for tail, what in (("", ""), ("/stream", " (streamed)"),
                                   ("/stream/with-timestamps",
                                    ": JSON lines with audio and alignment"))},
-            "/tts/bytes": {"post": {
-                "summary": "Cartesia-compatible speech (raw, wav or mp3; key in X-API-Key)",
+            **{path: {"post": {
+                "summary": f"Cartesia-compatible speech{what} (key in X-API-Key)",
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": {"type": "object",
                                "required": ["transcript", "voice", "output_format"],
@@ -318,7 +318,9 @@ def openapi_schema(service: Service) -> dict[str, Any]:
                             "speed": {"type": "number"}}}}}}}},
                 "responses": {"200": {"description": "audio, streamed"},
                               "400": {"description": "bad request (Cartesia error shape)"},
-                              "404": {"description": "unknown voice"}}}},
+                              "404": {"description": "unknown voice"}}}}
+               for path, what in (("/tts/bytes", ": raw, wav or mp3"),
+                                  ("/tts/sse", ": Server-Sent Events"))},
             **{path: {"post": {
                 "summary": f"Deepgram-compatible speech{what} (key as Authorization: Token)",
                 "parameters": [{"name": n, "in": "query", "schema": {"type": t}}

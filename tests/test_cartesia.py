@@ -27,7 +27,7 @@ from rtts.engines.fake import FakeEngine
 from rtts.server import bound_port, run_server
 from rtts.text.timings import estimate
 
-VOICE = "a0e99841-438c-4a64-b679-ae501e7d6091"  # a Cartesia voice id (LiveKit's default)
+VOICE = "a0e99841-438c-4a64-b679-ae501e7d6091"  # a Cartesia voice id
 FMT = {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}
 
 

@@ -172,6 +172,21 @@ async def test_contexts_flush_timestamps_cancel_and_errors_on_one_socket() -> No
                               got)
 
 
+async def test_buffer_delay_cuts_unpunctuated_text_and_idle_sockets_close() -> None:
+    async with server(replace(base_config(), idle_timeout_s=0.5)) as (app, _):
+        async with connect(f"ws://127.0.0.1:{bound_port(app)}/tts/websocket") as ws:
+            got: list[dict[str, Any]] = []
+            # no punctuation and more to come: spoken once 100 ms pass without new text
+            await ws.send(_req("a", "no punctuation here", max_buffer_delay_ms=100,
+                               **{"continue": True}))
+            await _recv_until(ws, lambda m: m["type"] == "chunk", got, timeout=5)
+            await ws.send(json.dumps({"context_id": "a", "cancel": True}))
+            async with asyncio.timeout(5):  # then nothing to do: closed after 0.5 s
+                async for _ in ws:
+                    pass
+            assert ws.close_code == 1000 and ws.close_reason == "idle"
+
+
 async def test_bytes_endpoint_and_its_errors() -> None:
     cfg = replace(base_config(), auth=AuthConfig(api_keys=("sekrit",)))
     async with server(cfg) as (app, _):

@@ -68,6 +68,7 @@ from rtts.core.service import Service
 from rtts.core.voicenames import speed_from_factor
 from rtts.errors import (
     CLOSE_GOING_AWAY,
+    CLOSE_NORMAL,
     CLOSE_TRY_AGAIN_LATER,
     InternalError,
     ProtocolError,
@@ -290,7 +291,13 @@ class _Socket:
     async def _reader(self) -> None:
         limits = self.endpoint.service.config.limits
         while not self._closing:
-            raw = await self.ws.recv()
+            idle = self.endpoint.service.config.idle_timeout_s
+            try:
+                async with asyncio.timeout(None if self.contexts or not idle else idle):
+                    raw = await self.ws.recv()
+            except TimeoutError:  # nothing sent and nothing playing: free the slot
+                await self.close(CLOSE_NORMAL, "idle")
+                return
             try:
                 gen = parse_message(raw, max_text_chars=limits.max_text_chars_per_message)
             except CartesiaError as exc:

@@ -140,7 +140,13 @@ class FluxSocket:
     async def _reader(self) -> None:
         limits = self.endpoint.service.config.limits
         while not self._closing:
-            raw = await self.ws.recv()
+            idle = self.endpoint.service.config.idle_timeout_s
+            try:
+                async with asyncio.timeout(None if self.busy or not idle else idle):
+                    raw = await self.ws.recv()
+            except TimeoutError:  # nothing sent and nothing playing: free the slot
+                await self.close(CLOSE_NORMAL, "idle")
+                return
             try:
                 msg = parse_message(raw, max_text_chars=limits.max_text_chars_per_message,
                                     flux=True)

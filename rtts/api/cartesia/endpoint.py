@@ -35,9 +35,8 @@ from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import orjson
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
@@ -59,7 +58,8 @@ from rtts.api.cartesia.protocol import (
 )
 from rtts.api.compat import FlushMarks, RawEncoder, compat_voice, word_times
 from rtts.api.handshake import respond
-from rtts.api.http.common import ApiError, HttpContext, authorize, b64, check_ready, read_body
+from rtts.api.http.common import ApiError, b64, read_body
+from rtts.api.http.speech import SpeechBody, SpeechRequest, speak
 from rtts.api.tasks import OwnedTasks
 from rtts.audio.codecs import Encoder, codec_for, open_encoder
 from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
@@ -127,10 +127,8 @@ class _Context:
         assert gen.output_format is not None
         self.sock = sock
         self.cid = cid
-        self.speech = service.open_context(
-            params, lookahead=service.config.lookahead_segments,
-            max_chunk_chars=service.config.limits.default_max_chunk_chars)
-        self.encoder = encoder_for(gen.output_format, service.engine.sample_rate)
+        self.speech = service.open_context(params)
+        self.encoder = encoder_for(gen.output_format, service.sample_rate)
         self.add_timestamps = gen.add_timestamps
         self.delay_ms = gen.max_buffer_delay_ms
         self.marks = FlushMarks()
@@ -454,8 +452,9 @@ class CartesiaEndpoints:
 
     async def _bytes(self, request: Request, sse: bool) -> Response:
         service = self.service
-        kid = authorize(self.auth, service, request, key=request.headers.get("x-api-key"))
-        try:
+        requests: list[Generation] = []
+
+        async def parse() -> SpeechRequest:
             raw = await read_body(request, service.config.max_message_bytes)
             try:
                 body = orjson.loads(raw)
@@ -465,39 +464,31 @@ class CartesiaEndpoints:
             if gen.cancel or not gen.transcript.strip():
                 raise CartesiaError("transcript is required: a non-empty string",
                                     "transcript_required")
-            if gen.output_format is None:
-                raise CartesiaError("output_format is required", "output_format_required")
-            params = params_for(gen, service)
-            check_ready(service)
-            ctx = service.open_context(params, lookahead=service.config.lookahead_segments,
-                                       max_chunk_chars=service.config.limits
-                                       .default_max_chunk_chars)
-            service.stats.http_requests += 1
-            ctx.feed(gen.transcript)
-            ctx.end()
             fmt = gen.output_format
+            if fmt is None:
+                raise CartesiaError("output_format is required", "output_format_required")
             if sse and fmt.container != "raw":
                 raise CartesiaError("/tts/sse sends raw audio: output_format.container raw",
                                     "invalid_output_format")
-            encoder = encoder_for(fmt, service.engine.sample_rate)
-        except BaseException:
-            self.auth.release(kid)
-            raise
-        stream = HttpContext(ctx, encoder, lambda: self.auth.release(kid))
-        await stream.start()
+            requests.append(gen)
+            return SpeechRequest(gen.transcript, params_for(gen, service), fmt.container,
+                                 fmt.sample_rate, fmt.bit_rate,
+                                 encoder=lambda rate: encoder_for(fmt, rate))
+
+        body = await speak(service, self.auth, request, parse,
+                           key=request.headers.get("x-api-key"))
+        gen = requests[0]
         if sse:
-            return StreamingResponse(_sse(stream, gen), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-store"},
-                                     background=BackgroundTask(stream.aclose))
-        codec = codec_for("mp3" if fmt.container == "mp3" else "wav")
-        media = (codec.media_type if codec is not None and fmt.container != "raw"
+            return body.response(_sse(body, gen), media_type="text/event-stream")
+        assert gen.output_format is not None
+        container = gen.output_format.container
+        codec = codec_for("mp3" if container == "mp3" else "wav")
+        media = (codec.media_type if codec is not None and container != "raw"
                  else "application/octet-stream")
-        return StreamingResponse(stream.chunks(), media_type=media,
-                                 headers={"Cache-Control": "no-store"},
-                                 background=BackgroundTask(stream.aclose))
+        return body.response(media_type=media)
 
 
-async def _sse(stream: HttpContext, gen: Generation) -> AsyncIterator[bytes]:
+async def _sse(stream: SpeechBody, gen: Generation) -> AsyncIterator[bytes]:
     """``/tts/sse``: the socket's messages for one context, as Server-Sent Events."""
     cid = gen.context_id or uuid.uuid4().hex
     rate = stream.ctx.sample_rate
@@ -505,7 +496,7 @@ async def _sse(stream: HttpContext, gen: Generation) -> AsyncIterator[bytes]:
     offset_ms = 0.0
     last = time.monotonic()
     try:
-        async for event in stream._all():
+        async for event in stream.events():
             if isinstance(event, Audio):
                 data = stream.encoder.encode(event.samples)
                 if data:

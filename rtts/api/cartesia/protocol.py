@@ -22,6 +22,8 @@ from typing import Any, Final
 
 import orjson
 
+from rtts.errors import RttsError
+
 __all__ = ["CANCEL", "CartesiaError", "Generation", "OutputFormat", "chunk", "done",
            "flush_done", "parse_message", "parse_output_format", "parse_request",
            "timestamps"]
@@ -34,15 +36,14 @@ MAX_CONTEXT_ID: Final = 256
 CANCEL: Final = "cancel"
 
 
-class CartesiaError(Exception):
+class CartesiaError(RttsError):
     """An error answered in Cartesia's shape: an ``error`` message on the socket (the
     socket stays open unless ``close`` is set) or an HTTP status with a JSON body."""
 
     def __init__(self, message: str, error_code: str = "invalid_request", *,
                  status: int = 400, title: str = "Invalid request",
                  close: int | None = None) -> None:
-        super().__init__(message)
-        self.message = message
+        super().__init__(message, code=error_code)
         self.error_code = error_code
         self.status = status
         self.title = title

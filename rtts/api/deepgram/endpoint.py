@@ -29,9 +29,8 @@ import uuid
 from typing import Any, Final
 
 import orjson
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
@@ -54,7 +53,8 @@ from rtts.api.deepgram.protocol import (
     parse_options,
 )
 from rtts.api.handshake import respond
-from rtts.api.http.common import ApiError, HttpContext, authorize, check_ready, read_body
+from rtts.api.http.common import ApiError, read_body
+from rtts.api.http.speech import SpeechRequest, speak
 from rtts.api.tasks import OwnedTasks
 from rtts.audio.codecs import Encoder, codec_for, open_encoder
 from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
@@ -246,9 +246,7 @@ class _Socket:
                 service.check_admission()
             except RttsError as exc:
                 raise _overloaded(exc.message) from None
-            self.speech = service.open_context(
-                self.params, lookahead=service.config.lookahead_segments,
-                max_chunk_chars=service.config.limits.default_max_chunk_chars)
+            self.speech = service.open_context(self.params)
             self.marks = FlushMarks()
             self.chars = 0
             self.task = self._tasks.spawn(self._run_stream(self.speech), "rtts-deepgram-stream")
@@ -286,8 +284,7 @@ class _Socket:
 
     async def _stream(self, speech: Any) -> None:
         service = self.endpoint.service
-        encoder = RawEncoder(self.opts.encoding, service.engine.sample_rate,
-                             self.opts.sample_rate)
+        encoder = RawEncoder(self.opts.encoding, service.sample_rate, self.opts.sample_rate)
         ends: dict[int, int] = {}
         events = speech.events()
         try:
@@ -394,9 +391,10 @@ class DeepgramEndpoints:
         service = self.service
         authorization = request.headers.get("authorization")
         token_header = authorization is not None and authorization[:6].lower() == "token "
-        kid = authorize(self.auth, service, request, key=auth_key(authorization, []),
-                        header=not token_header)
-        try:
+        options: list[SpeakOptions] = []
+        texts: list[str] = []
+
+        async def parse() -> SpeechRequest:
             opts = parse_options(dict(request.query_params), http=True)
             raw = await read_body(request, service.config.max_message_bytes)
             try:
@@ -410,26 +408,20 @@ class DeepgramEndpoints:
             if len(text) > MAX_HTTP_CHARS:
                 raise DeepgramError(f"text is longer than {MAX_HTTP_CHARS} characters",
                                     "INVALID_BODY", status=413)
-            params = params_for(opts, service)
-            check_ready(service)
-            ctx = service.open_context(params, lookahead=service.config.lookahead_segments,
-                                       max_chunk_chars=service.config.limits
-                                       .default_max_chunk_chars)
-            service.stats.http_requests += 1
-            ctx.feed(text)
-            ctx.end()
-            encoder = _http_encoder(opts, service.engine.sample_rate)
-        except BaseException:
-            self.auth.release(kid)
-            raise
-        stream = HttpContext(ctx, encoder, lambda: self.auth.release(kid))
-        await stream.start()
-        media = (encoder.codec.media_type if opts.container == "wav" or opts.encoding not in
-                 ("s16",) else "audio/l16")
-        headers = {"Cache-Control": "no-store", "dg-request-id": request_id,
-                   "dg-model-name": opts.model, "dg-char-count": str(len(text))}
-        return StreamingResponse(stream.chunks(), media_type=media, headers=headers,
-                                 background=BackgroundTask(stream.aclose))
+            options.append(opts)
+            texts.append(text)
+            return SpeechRequest(text, params_for(opts, service), opts.encoding,
+                                 opts.sample_rate, opts.bit_rate,
+                                 encoder=lambda rate: _http_encoder(opts, rate))
+
+        body = await speak(service, self.auth, request, parse,
+                           key=auth_key(authorization, []), header=not token_header)
+        opts = options[0]
+        media = (body.encoder.codec.media_type if opts.container == "wav"
+                 or opts.encoding != "s16" else "audio/l16")
+        headers = {"dg-request-id": request_id, "dg-model-name": opts.model,
+                   "dg-char-count": str(len(texts[0]))}
+        return body.response(media_type=media, headers=headers)
 
 
 def _http_encoder(opts: SpeakOptions, input_rate: int) -> Encoder:

@@ -199,9 +199,7 @@ class FluxSocket:
             except RttsError as exc:
                 raise DeepgramError(exc.message, "TOO_MANY_REQUESTS",
                                     close=CLOSE_TRY_AGAIN_LATER, fatal=True) from None
-            turn = _Turn(service.open_context(
-                self.params, lookahead=service.config.lookahead_segments,
-                max_chunk_chars=service.config.limits.default_max_chunk_chars))
+            turn = _Turn(service.open_context(self.params))
             self.turns.append(turn)
             if self._player is None or self._player.done():
                 self._player = self._tasks.spawn(self._play(), "rtts-deepgram-flux")
@@ -267,7 +265,7 @@ class FluxSocket:
             self.endpoint.service.activity.set()
 
     async def _play_turn(self, turn: _Turn) -> None:
-        encoder = RawEncoder(self.opts.encoding, self.endpoint.service.engine.sample_rate,
+        encoder = RawEncoder(self.opts.encoding, self.endpoint.service.sample_rate,
                              self.opts.sample_rate)
         width = {"s16": 2, "f32": 4}.get(self.opts.encoding, 1)
         events = turn.speech.events()

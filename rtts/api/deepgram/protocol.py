@@ -28,6 +28,8 @@ from typing import Any, Final
 
 import orjson
 
+from rtts.errors import RttsError
+
 __all__ = ["DeepgramError", "Message", "SpeakOptions", "auth_key", "cleared", "configure_failure",
            "configure_success", "connected", "flushed", "metadata", "parse_message",
            "parse_options", "speech_interrupted", "speech_metadata", "speech_started",
@@ -42,15 +44,14 @@ MESSAGE_TYPES: Final = ("Speak", "Flush", "Clear", "Close")
 FLUX_TYPES: Final = ("Speak", "Flush", "Interrupt", "Configure", "Close")
 
 
-class DeepgramError(Exception):
+class DeepgramError(RttsError):
     """An error in Deepgram's shape: on the socket an ``Error`` (``fatal``: then closed with
     ``close``) or ``Warning`` message; over HTTP a status with ``err_code`` / ``err_msg``."""
 
     def __init__(self, message: str, code: str = "INVALID_QUERY_PARAMETER", *,
                  status: int = 400, close: int = 1008, fatal: bool = False) -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code
+        super().__init__(message, code=code)
+        self.code: str = code
         self.status = status
         self.close = close
         self.fatal = fatal

@@ -43,6 +43,9 @@ class SpeechRequest:
     sample_rate: int  # of the output
     bit_rate: int | None = None
     normalize: bool = True
+    # an encoder of the front-end's own (input rate -> Encoder), for an output no codec
+    # name covers (Cartesia's pcm_f32le); ``codec`` then only names it
+    encoder: Callable[[int], Encoder] | None = None
 
 
 def segment_error(exc: RttsError) -> ApiError:
@@ -53,10 +56,10 @@ def segment_error(exc: RttsError) -> ApiError:
 
 async def speak(service: Service, auth: Authenticator, request: Request,
                 parse: Callable[[], Awaitable[SpeechRequest]], *,
-                key: str | None = None) -> SpeechBody:
+                key: str | None = None, header: bool = True) -> SpeechBody:
     """Authorize ``request``, ``parse()`` it, and start speaking it (see the module doc).
     Raises :class:`ApiError` (or whatever ``parse`` raises) before any audio exists."""
-    kid = authorize(auth, service, request, key=key)
+    kid = authorize(auth, service, request, key=key, header=header)
     try:
         job = await parse()
         check_ready(service)
@@ -68,7 +71,8 @@ async def speak(service: Service, auth: Authenticator, request: Request,
         service.stats.http_requests += 1
         ctx.feed(job.text)
         ctx.end()
-        encoder = open_encoder(job.codec, service.sample_rate, job.sample_rate, job.bit_rate)
+        encoder = (job.encoder(service.sample_rate) if job.encoder is not None else
+                   open_encoder(job.codec, service.sample_rate, job.sample_rate, job.bit_rate))
     except BaseException:
         auth.release(kid)
         raise

@@ -76,8 +76,10 @@ def test_flush_marks_and_word_times() -> None:
     marks.feed("Hello there. ")
     assert marks.flush(2) == []
     marks.feed("More")
+    assert marks.pending == 1 and marks.unspoken == len("Hello there. More")
     assert marks.segment_done(11) == []  # "Hello there" not yet past the '.'
     assert marks.segment_done(12) == [2]
+    assert marks.pending == 0 and marks.unspoken == len(" More")
     assert marks.flush(3) == [] and marks.all() == [3]
     words, start, end = word_times("Hi  there.", estimate("Hi  there.", 1000), 500)
     assert words == ["Hi", "there."] and start[0] == 0.5 and end[-1] == 1.5

@@ -218,8 +218,8 @@ async def test_pipecat_deepgram_turns_interruption_errors_and_http() -> None:
         assert len(out["audio"]) == 2 and len(out["audio"][1]) > 9600
         # Deepgram's audio carries no context id: what was on the wire when the Clear
         # arrived still reaches pipecat (the wire itself is checked above: nothing after
-        # Cleared); at most a chunk or two, never the rest of the 2.5 s reply
-        assert out["after_interrupt"] < 24000 * 2 * 0.5, out["after_interrupt"]
+        # Cleared); a segment or so of lookahead, never the rest of the 2.5 s reply
+        assert out["after_interrupt"] < 24000 * 2 * 1.25, out["after_interrupt"]
         out = await asyncio.to_thread(pipecat_run, _pipecat_ws(port, api_key="wrong"),
                                       ["Hello."], timeout=10)
         assert any("401" in e for e in out["errors"]), out["errors"]
@@ -319,7 +319,7 @@ async def test_livekit_and_pipecat_flux() -> None:
                                       interrupt_after_audio=True)
         assert app.stats.cancels > before  # pipecat's Interrupt stopped the turn
         assert len(out["audio"]) == 2 and len(out["audio"][1]) > 9600
-        assert out["after_interrupt"] < 24000 * 2 * 0.5, out["after_interrupt"]
+        assert out["after_interrupt"] < 24000 * 2 * 1.25, out["after_interrupt"]
         out = await asyncio.to_thread(pipecat_run, pc(api_key="wrong"), ["Hello."], timeout=10)
         assert out["errors"], "a refused key must surface as an ErrorFrame"
 

@@ -105,11 +105,20 @@ class FlushMarks:
     character (a flush with nothing new is complete at once)."""
 
     def __init__(self) -> None:
-        self._fed: list[str] = []
         self._length = 0  # characters fed
         self._last = 0  # offset just after the last non-blank character fed
         self._done = 0  # input covered by completed segments
         self._marks: deque[tuple[int, int]] = deque()  # (flush id, input offset)
+
+    @property
+    def pending(self) -> int:
+        """Flushes waiting for their audio."""
+        return len(self._marks)
+
+    @property
+    def unspoken(self) -> int:
+        """Characters fed that no completed segment covers yet."""
+        return self._length - min(self._done, self._length)
 
     def feed(self, text: str) -> None:
         stripped = text.rstrip()

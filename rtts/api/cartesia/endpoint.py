@@ -81,6 +81,7 @@ logger = logging.getLogger("rtts.cartesia")
 
 PATH: Final = "/tts/websocket"
 MAX_HTTP_CHARS: Final = 40_960
+MAX_PENDING_FLUSHES: Final = 256
 
 
 def params_for(gen: Generation, service: Service) -> SynthParams:
@@ -156,6 +157,10 @@ class _Context:
             self.speech.feed(text)
         complete: list[int] = []
         if gen.flush:
+            if self.marks.pending >= MAX_PENDING_FLUSHES:
+                raise CartesiaError(f"more than {MAX_PENDING_FLUSHES} flushes waiting for "
+                                    "their audio", "too_many_flushes", status=429,
+                                    title="Too many requests")
             self.flushes += 1
             self.speech.flush()
             complete = self.marks.flush(self.flushes)

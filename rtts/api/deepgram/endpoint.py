@@ -77,6 +77,7 @@ logger = logging.getLogger("rtts.deepgram")
 PATH: Final = "/v1/speak"
 PATHS: Final = (PATH, FLUX_PATH)
 MAX_HTTP_CHARS: Final = 40_960
+MAX_PENDING_FLUSHES: Final = 256
 
 
 def params_for(opts: SpeakOptions, service: Service) -> SynthParams:
@@ -138,7 +139,6 @@ class _Socket:
         self.speech: Any = None  # the SpeechContext of the stream, opened by the first Speak
         self.task: asyncio.Task[None] | None = None
         self.marks = FlushMarks()
-        self.chars = 0
         self.flushes = 0  # Flushed sequence ids, from 0
         self.clears = 0
         self._closing = False
@@ -215,6 +215,9 @@ class _Socket:
                 self.flushes += 1
                 if self.speech is None:
                     await self.send(flushed(seq))
+                elif self.marks.pending >= MAX_PENDING_FLUSHES:
+                    raise DeepgramError(f"more than {MAX_PENDING_FLUSHES} flushes waiting for "
+                                        "their audio", "TOO_MANY_FLUSHES", fatal=True)
                 else:
                     self.speech.flush()
                     for fid in self.marks.flush(seq):
@@ -237,10 +240,11 @@ class _Socket:
         service = self.endpoint.service
         if not text:
             return
+        # the cap is on text not yet spoken: a long call's stream goes on for good
         limit = service.config.limits.max_text_chars_per_context
-        if self.chars + len(text) > limit:
-            raise DeepgramError(f"more than {limit} characters in one stream; send Clear or "
-                                "open a new socket", "TEXT_TOO_LONG", fatal=True)
+        if self.marks.unspoken + len(text) > limit:
+            raise DeepgramError(f"more than {limit} characters waiting to be spoken",
+                                "TEXT_TOO_LONG", fatal=True)
         if self.speech is None:
             try:
                 service.check_admission()
@@ -248,9 +252,7 @@ class _Socket:
                 raise _overloaded(exc.message) from None
             self.speech = service.open_context(self.params)
             self.marks = FlushMarks()
-            self.chars = 0
             self.task = self._tasks.spawn(self._run_stream(self.speech), "rtts-deepgram-stream")
-        self.chars += len(text)
         self.marks.feed(text)
         self.speech.feed(text)
 

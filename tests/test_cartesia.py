@@ -404,3 +404,15 @@ async def test_wer_through_livekit_and_pipecat_cartesia_matches_piper(piper_wer:
     print(f"WER piper direct {piper_wer:.3f}, LiveKit cartesia {livekit:.3f}, "
           f"pipecat cartesia {pipecat:.3f}")
     assert livekit <= piper_wer + MARGIN and pipecat <= piper_wer + MARGIN
+
+
+async def test_shutdown_closes_a_speaking_socket_with_1001() -> None:
+    cfg = replace(base_config(), shutdown_grace_s=0.5)
+    async with server(cfg, FakeEngine(ms_per_char=30, rtf=1.0)) as (app, _):
+        ws = await connect(f"ws://127.0.0.1:{bound_port(app)}/tts/websocket")
+        await ws.send(_req("long", TEXT))
+        await _recv_until(ws, lambda m: m["type"] == "chunk", [])
+    async with asyncio.timeout(5):  # the server drained, then closed the socket
+        async for _ in ws:
+            pass
+    assert ws.close_code == 1001 and not app.cartesia.sockets

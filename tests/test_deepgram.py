@@ -370,3 +370,23 @@ async def test_wer_through_livekit_and_pipecat_deepgram_matches_piper(piper_wer:
           f"pipecat flux {pipecat_flux:.3f}")
     for wer in (livekit, pipecat, livekit_flux, pipecat_flux):
         assert wer <= piper_wer + MARGIN
+
+
+async def test_shutdown_closes_speaking_sockets_with_1001() -> None:
+    cfg = replace(base_config(), shutdown_grace_s=0.5)
+    async with server(cfg, FakeEngine(ms_per_char=30, rtf=1.0)) as (app, _):
+        port = bound_port(app)
+        sockets = [await connect(f"ws://127.0.0.1:{port}{path}") for path in
+                   ("/v1/speak", "/v2/speak")]
+        for ws in sockets:
+            await ws.recv()  # Metadata / Connected
+            await ws.send(json.dumps({"type": "Speak", "text": TEXT}))
+            await ws.send(json.dumps({"type": "Flush"}))
+            while not isinstance(await ws.recv(), bytes):
+                pass
+    for ws in sockets:
+        async with asyncio.timeout(5):
+            async for _ in ws:
+                pass
+        assert ws.close_code == 1001
+    assert not app.deepgram.sockets

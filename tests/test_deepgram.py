@@ -223,6 +223,9 @@ async def test_pipecat_deepgram_turns_interruption_errors_and_http() -> None:
         out = await asyncio.to_thread(pipecat_run, _pipecat_ws(port, api_key="wrong"),
                                       ["Hello."], timeout=10)
         assert any("401" in e for e in out["errors"]), out["errors"]
+        out = await asyncio.to_thread(pipecat_run, _pipecat_ws(port, voice="bad!model"),
+                                      ["Hello."], timeout=10)
+        assert any("HTTP 400" in e and "unknown model" in e for e in out["errors"]), out["errors"]
 
         def http() -> Any:
             return DeepgramHttpTTSService(

@@ -117,8 +117,11 @@ def accept_subprotocol(request: WsRequest, response: WsResponse) -> None:
 
 
 def _refuse(exc: DeepgramError) -> WsResponse:
+    """A refused upgrade: Deepgram's JSON error body, the reason also in ``dg-error`` (what
+    pipecat reports)."""
     body = orjson.dumps(exc.body(str(uuid.uuid4())))
-    return respond(exc.status, body, "application/json")
+    reason = exc.message.encode("ascii", "replace").decode()[:200]
+    return respond(exc.status, body, "application/json", extra=[("dg-error", reason)])
 
 
 def _overloaded(message: str) -> DeepgramError:

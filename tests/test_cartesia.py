@@ -277,9 +277,8 @@ async def test_livekit_cartesia_stream_two_turns_timestamps_and_errors() -> None
             pcm = b"".join([ev.frame.data.tobytes() async for ev in tts.synthesize("Hi there.")])
             assert len(pcm) > 24000
             await tts.aclose()
-        # a fresh session: until the listener serves an upgrade on a kept-alive HTTP
-        # connection (issue 26, item 1), aiohttp's reuse after synthesize() gets a 404
-        async with aiohttp.ClientSession() as session:
+            # the same aiohttp session: its kept-alive connection from synthesize() may carry
+            # the next upgrade
             once = APIConnectOptions(max_retry=0, timeout=5)
             bad_key = _livekit_tts(port, session, api_key="wrong")
             with pytest.raises(APIStatusError) as info:

@@ -265,13 +265,16 @@ async def test_livekit_cartesia_stream_two_turns_timestamps_and_errors() -> None
         port = bound_port(app)
         async with aiohttp.ClientSession() as session:
             tts = _livekit_tts(port, session)
-            turns = await livekit_turns(tts, [SENTENCES[0] + " " + SENTENCES[1], SENTENCES[2]])
+            turns = await livekit_turns(tts, [TEXT, SENTENCES[2]])
             for turn in turns:
                 assert len(turn["pcm"]) > 24000 * 2  # over a second of PCM16
+                # word times increase through the whole reply (seconds from its start)
                 starts = [s for _, s, _ in turn["words"]]
                 assert starts == sorted(starts) and starts[-1] > 0.5
             heard = "".join(w for w, _, _ in turns[0]["words"]).split()
-            assert heard == (SENTENCES[0] + " " + SENTENCES[1]).split()
+            assert heard == TEXT.split()
+            assert turns[0]["words"][-1][2] * 48000 == pytest.approx(len(turns[0]["pcm"]),
+                                                                     rel=0.05)
             assert app.stats.connections_total == 1  # the second turn reused the socket
             # synthesize(): POST /tts/bytes
             pcm = b"".join([ev.frame.data.tobytes() async for ev in tts.synthesize("Hi there.")])

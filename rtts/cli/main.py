@@ -447,6 +447,20 @@ def safety_warnings(config: ServerConfig) -> list[str]:
     return out
 
 
+def listening_line(config: ServerConfig, port: int, weights_kind: str | None) -> tuple[int, str]:
+    """The log level and text of the "listening" line; with random weights it repeats that
+    this is noise, and what to do (the first warning has scrolled away by then)."""
+    where = config.host if ":" not in config.host else f"[{config.host}]"
+    line = (f"listening on ws://{where}:{port}{config.ws_path} (demo page http://{where}:{port}/,"
+            f" OpenAI-compatible base URL http://{where}:{port}/v1)")
+    if weights_kind != "random":
+        return logging.INFO, line
+    from rtts.engines.weights import REAL_SPEECH_HINT
+
+    return logging.WARNING, f"{line} -- RANDOM weights: this server speaks NOISE. " \
+                            f"{REAL_SPEECH_HINT}"
+
+
 def listen_error(exc: OSError, config: ServerConfig) -> str:
     """One line for a port that cannot be bound (in use, no such address, privileged)."""
     what = {errno.EADDRINUSE: "is already in use (another rtts, or another server? stop it "
@@ -482,16 +496,8 @@ async def serve_until_signalled(config: ServerConfig) -> int:
         if app.state == State.FAILED:
             logger.error("not serving: %s", app.state_reason)
             return 1
-        port = bound_port(app)
-        noise = ""
-        if app.weights().get("kind") == "random":
-            from rtts.engines.weights import REAL_SPEECH_HINT
-
-            noise = f" -- RANDOM weights: this server speaks NOISE. {REAL_SPEECH_HINT}"
-        (logger.warning if noise else logger.info)(
-            "listening on ws://%s:%d%s (demo page http://%s:%d/, OpenAI-compatible base URL "
-            "http://%s:%d/v1)%s", config.host, port, config.ws_path, config.host, port,
-            config.host, port, noise)
+        level, line = listening_line(config, bound_port(app), app.weights().get("kind"))
+        logger.log(level, "%s", line)
         await stop.wait()
         logger.info("signal received: draining")
     return 0

@@ -41,7 +41,8 @@ class RestEndpoints:
         ]
 
     async def info(self, request: Request) -> Response:
-        return JSONResponse(self.service.info())
+        # `auth`: whether a key or token is needed (the demo asks for one)
+        return JSONResponse({**self.service.info(), "auth": self.auth.enabled})
 
     async def formats(self, request: Request) -> Response:
         return JSONResponse({"formats": [

@@ -7,6 +7,7 @@ know one; ``rtts job … --url`` after the sub-command; chapter titles from head
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -245,3 +246,20 @@ def test_chapter_titles_come_from_headings() -> None:
         assert titles == ["One", "Two", "Mine"], (step, titles)
     assert heading_title("第三章 大海") == "第三章 大海"
     assert heading_title("It was a dark night.") == "" and heading_title("#" * 300) == ""
+
+
+def test_serve_help_comes_in_sections_with_one_default_per_flag() -> None:
+    from rtts.cli.options import option_actions
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    serve = sub.choices["serve"]
+    text = serve.format_help()
+    for title in ("network:", "model and engines:", "batching:", "limits:",
+                  "auth and quotas:", "phrase cache:", "long-text jobs:"):
+        assert f"\n{title}\n" in text, title
+    assert text.count("\n") < 260 and text.startswith("usage: rtts serve [OPTIONS]")
+    formatter = serve._get_formatter()
+    for action in option_actions(serve):
+        shown = (formatter._get_help_string(action) or "").replace("%(default)s", "X")
+        assert shown.lower().count("default") <= 1, (action.dest, shown)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +129,20 @@ def test_the_manual_builds_strictly(tmp_path):
     assert build.returncode == 0, build.stdout + build.stderr
     assert (tmp_path / "index.html").is_file() and (tmp_path / "protocols/openai" /
                                                    "index.html").is_file()
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="no make")
+def test_make_installs_only_when_its_inputs_change(tmp_path):
+    """`make run`/`make test` do not reinstall: `.venv/.installed` is newer than the inputs."""
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".installed").touch()
+
+    def dry(*extra: str) -> str:
+        return run("make", "-n", f"VENV={venv}", *extra, "install").stdout
+
+    assert "install.sh" not in dry()
+    assert "install.sh" in dry("-W", "pyproject.toml")
+    assert "install.sh" in dry("-W", "constraints.txt")
+    (venv / ".installed").unlink()
+    assert "install.sh" in dry()

@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-token", type=int, default=EngineConfig.max_new_token,
                    help="most GPT steps per segment (47 a second of audio)")
     s.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default=EngineConfig.dtype,
-                   help="GPT weight precision (int8: weight-only, see README for accuracy)")
+                   help="GPT weight precision (int8: weight-only; accuracy: docs/benchmarks)")
     s.add_argument("--kernels", default=EngineConfig.kernels,
                    choices=["auto", "linear", "transposed", "bf16", "int8", "int8dyn"],
                    help="GPT linear kernel: auto measures each path at load and keeps "

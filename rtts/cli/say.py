@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import logging
 import struct
 import sys
@@ -72,8 +73,10 @@ def add_say_parser(sub: Any, serve: argparse.ArgumentParser) -> None:
     s.add_argument("--quiet", action="store_true", help="no progress line")
     group = s.add_argument_group("engine (in-process only; as for `rtts serve`)")
     for action in serve._actions:
-        if action.dest in ENGINE_FLAGS:
-            group._add_action(action)
+        if action.dest in ENGINE_FLAGS:  # a copy: its variable is RTTS_SAY_*, serve's stays
+            own = copy.copy(action)
+            own.__dict__.pop("rtts_env", None)
+            group._add_action(own)
 
 
 def format_for(output: str | None, fmt: str | None) -> str:

@@ -264,3 +264,11 @@ def test_serve_help_comes_in_sections_with_one_default_per_flag() -> None:
     for action in option_actions(serve):
         shown = (formatter._get_help_string(action) or "").replace("%(default)s", "X")
         assert shown.lower().count("default") <= 1, (action.dest, shown)
+
+
+def test_every_serve_flag_is_in_a_section() -> None:
+    """A new flag goes into rtts.cli.main.SERVE_GROUPS (else it shows under "options")."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    loose = [a.dest for a in sub.choices["serve"]._optionals._group_actions if a.dest != "help"]
+    assert not loose, f"add these to SERVE_GROUPS in rtts/cli/main.py: {loose}"

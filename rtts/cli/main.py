@@ -294,7 +294,7 @@ SERVE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                                                      "gpu_mem"))),
     ("auth and quotas", ("api_key", "allowed_origin", "token_ttl", "token_secret",
                          "previous_token_secret", "max_sessions_per_key",
-                         "sessions_per_minute")),
+                         "sessions_per_minute", "public_listing")),
     ("phrase cache", ("cache_mb", "cache_redis", "cache_ttl")),
     ("long-text jobs", ("jobs", "jobs_redis", "jobs_dir", "jobs_concurrency", "jobs_claim_idle",
                         "jobs_rows_with_live", "jobs_max_upload_mb")),

@@ -90,6 +90,16 @@ async def test_say_against_a_running_server_with_a_key(tmp_path: Path) -> None:
         assert info.format == "OGG" and info.subtype == "OPUS" and info.duration > 0.3
 
 
+async def test_say_when_the_server_closes_the_connection(tmp_path: Path) -> None:
+    async with run_server(replace(base_config(), max_message_bytes=1024)) as app:
+        done = await asyncio.to_thread(
+            rtts, "say", "--url", f"http://127.0.0.1:{bound_port(app)}", "x " * 2000,
+            "-o", str(tmp_path / "x.wav"))
+    assert done.returncode == 1
+    assert one_line(done.stderr).startswith("rtts say: error: the server closed the "
+                                            "connection (1009"), done.stderr
+
+
 def test_say_mistakes_are_one_line(tmp_path: Path) -> None:
     port = _closed_port()
     unreachable = rtts("say", "--url", f"http://127.0.0.1:{port}", "Hi.", "-o",

@@ -162,6 +162,18 @@ async def _speak(url: str, api_key: str | None, text: str, voice: str | None, fm
                  sample_rate: int | None, out: BinaryIO, progress: Progress) -> float:
     """Synthesize ``text`` over the native socket at ``url`` into ``out``; the audio's
     seconds."""
+    from websockets.exceptions import ConnectionClosed
+
+    try:
+        return await _speak_on(url, api_key, text, voice, fmt, sample_rate, out, progress)
+    except ConnectionClosed as exc:
+        reason = f" {exc.rcvd.reason}" if exc.rcvd and exc.rcvd.reason else ""
+        code = exc.rcvd.code if exc.rcvd else 1006
+        raise SayError(f"the server closed the connection ({code}{reason})") from None
+
+
+async def _speak_on(url: str, api_key: str | None, text: str, voice: str | None, fmt: str,
+                    sample_rate: int | None, out: BinaryIO, progress: Progress) -> float:
     from websockets.asyncio.client import connect
     from websockets.exceptions import InvalidStatus, WebSocketException
 

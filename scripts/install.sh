@@ -14,7 +14,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 "${PIP[@]}" install -q -U pip
 .venv/bin/python scripts/select_torch.py --install
-"${PIP[@]}" install -q -c constraints.txt -e '.[chattts,redis,test]'
+"${PIP[@]}" install -q -c constraints.txt -e '.[chattts,redis,test,docs]'
 # torchaudio's CUDA-linked extension libraries cannot load beside a CPU torch; ChatTTS only
 # needs its pure-Python parts. `rtts doctor --fix` moves them aside (only when torch has no CUDA).
 .venv/bin/rtts doctor --fix

@@ -1,12 +1,14 @@
-"""The README tells the truth: every ``rtts`` command in its shell blocks parses with the
-real command line, its TOML example is a valid config, the files and make targets it names
-exist, and the cheap commands run as written."""
+"""The README and the manual (``docs/**/*.md``) tell the truth: every ``rtts`` command in
+their shell blocks parses with the real command line, the TOML example is a valid config, the
+files and make targets they name exist, the cheap commands run as written, and the manual
+builds with mkdocs in strict mode (no broken link or anchor)."""
 
 from __future__ import annotations
 
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +18,18 @@ import pytest
 from rtts.cli.main import build_parser, check_serve_args
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+TEXTS = {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8") for p in DOCS}
+README = "\n".join(TEXTS.values())  # everything the test reads, README first
 
 
 def blocks(lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", README, re.S)
+
+
+def test_the_manual_exists():
+    assert "README.md" in TEXTS and len(TEXTS) > 10, sorted(TEXTS)
+    assert len(TEXTS["README.md"].splitlines()) < 200, "the README stays short: use docs/"
 
 
 def shell_commands() -> list[str]:
@@ -48,6 +57,7 @@ def rtts_invocations() -> list[list[str]]:
 
 def test_the_readme_has_rtts_commands():
     assert len(rtts_invocations()) >= 10
+    assert any(argv[:1] == ["say"] for argv in rtts_invocations())
 
 
 @pytest.mark.parametrize("argv", rtts_invocations(), ids=lambda a: " ".join(a)[:60])
@@ -99,3 +109,40 @@ def test_cheap_commands_run_as_written():
     assert "weights:" in doctor.stdout, doctor.stdout + doctor.stderr
     select = run(sys.executable, "scripts/select_torch.py")
     assert select.returncode == 0 and "select_torch:" in select.stderr
+
+
+def test_every_page_is_in_the_nav():
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = [p for p in TEXTS if p.startswith("docs/")]
+    missing = [p for p in pages if p.removeprefix("docs/") not in nav]
+    assert not missing, f"add these to mkdocs.yml's nav: {missing}"
+
+
+def test_the_manual_builds_strictly(tmp_path):
+    """A broken link, anchor or nav entry fails (mkdocs.yml has ``strict: true``)."""
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    build = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-d", str(tmp_path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert build.returncode == 0, build.stdout + build.stderr
+    assert (tmp_path / "index.html").is_file()
+    assert (tmp_path / "protocols" / "openai.html").is_file()  # browsable from the disk
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="no make")
+def test_make_installs_only_when_its_inputs_change(tmp_path):
+    """`make run`/`make test` do not reinstall: `.venv/.installed` is newer than the inputs."""
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".installed").touch()
+
+    def dry(*extra: str) -> str:
+        return run("make", "-n", f"VENV={venv}", *extra, "install").stdout
+
+    assert "install.sh" not in dry()
+    assert "install.sh" in dry("-W", "pyproject.toml")
+    assert "install.sh" in dry("-W", "constraints.txt")
+    (venv / ".installed").unlink()
+    assert "install.sh" in dry()

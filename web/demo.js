@@ -14,8 +14,11 @@ function params() {
               temperature: Number($("temperature").value), top_P: Number($("top_P").value),
               top_K: Number($("top_K").value), speed: Number($("speed").value) };
   if ($("seed").value !== "") p.seed = Number($("seed").value);
+  p.timings = true; // character timings: the live captions
   return p;
 }
+
+const seconds = (ms) => (ms < 1000 ? `${ms.toFixed(0)} ms` : `${(ms / 1000).toFixed(1)} s`);
 
 function setServer(text, cls) {
   const el = $("server");
@@ -23,26 +26,88 @@ function setServer(text, cls) {
   el.className = `pill ${cls}`;
 }
 
+// Live captions: one span per character, lit when playback passes its start time
+// (the server's estimated character timings), and the segment being played marked.
+const captions = { chars: [], next: 0, segments: [], playing: null };
+
+function resetCaptions() {
+  captions.chars = [];
+  captions.next = 0;
+  captions.segments = [];
+  captions.playing = null;
+  $("captions").replaceChildren();
+}
+
+function addCaptionSegment(u, d) {
+  const seg = document.createElement("span");
+  seg.className = "seg";
+  seg.id = `cap-${u.contextId}-${d.segment}`;
+  const spans = [...d.text].map((ch) => {
+    const span = document.createElement("span");
+    span.textContent = ch;
+    return span;
+  });
+  seg.append(...spans, " ");
+  $("captions").append(seg);
+  const li = document.createElement("li");
+  li.id = `seg-${u.contextId}-${d.segment}`;
+  li.textContent = d.text;
+  $("segments").append(li);
+  captions.segments.push({ seg, li, spans, start: d.audio_start_ms, end: Infinity });
+}
+
+function timeCaptionSegment(u, d) {
+  const entry = captions.segments.find((s) => s.seg.id === `cap-${u.contextId}-${d.segment}`);
+  if (!entry) return;
+  entry.end = d.audio_start_ms + d.duration_ms;
+  const meta = document.createElement("span");
+  meta.className = "meta";
+  meta.textContent = `${(d.duration_ms / 1000).toFixed(2)} s`;
+  entry.li.append(meta);
+  const starts = d.char_start_ms ?? [];
+  entry.spans.forEach((span, i) => {
+    const t = starts[i] ?? d.audio_start_ms + (d.duration_ms * i) / entry.spans.length;
+    captions.chars.push({ span, t });
+  });
+}
+
+function updateCaptions() {
+  if (!current) return;
+  const played = current.heard().playedMs;
+  const { chars } = captions;
+  while (captions.next < chars.length && chars[captions.next].t <= played) {
+    chars[captions.next].span.className = "heard";
+    captions.next += 1;
+  }
+  const playing = captions.segments.find((s) => played >= s.start && played < s.end
+    && played > 0) ?? null;
+  if (playing && playing.end === Infinity) {
+    // Its timings come with its last audio (segment_done): until then, estimate from the
+    // segments timed so far, and keep the last character for the real timings.
+    const timed = captions.segments.filter((s) => s.end !== Infinity);
+    const ms = timed.reduce((a, s) => a + s.end - s.start, 0);
+    const n = timed.reduce((a, s) => a + s.spans.length, 0);
+    const perChar = n > 0 ? ms / n : 70;
+    const lit = Math.min(playing.spans.length - 1, Math.floor((played - playing.start) / perChar));
+    for (let i = 0; i < lit; i++) playing.spans[i].className = "heard";
+  }
+  if (playing !== captions.playing) {
+    captions.playing?.li.classList.remove("playing");
+    captions.playing?.seg.classList.remove("playing");
+    playing?.li.classList.add("playing");
+    playing?.seg.classList.add("playing");
+    captions.playing = playing;
+  }
+}
+
 function track(u) {
   current = u;
   $("segments").innerHTML = "";
+  resetCaptions();
   $("ttfa").textContent = "…";
   u.addEventListener("started", (e) => { $("ttfa").textContent = `${e.detail.ttfaMs.toFixed(0)} ms`; });
-  u.addEventListener("segment_started", (e) => {
-    const li = document.createElement("li");
-    li.id = `seg-${u.contextId}-${e.detail.segment}`;
-    li.textContent = e.detail.text;
-    $("segments").append(li);
-  });
-  u.addEventListener("segment", (e) => {
-    const li = document.getElementById(`seg-${u.contextId}-${e.detail.segment}`);
-    if (li) {
-      const meta = document.createElement("span");
-      meta.className = "meta";
-      meta.textContent = `${(e.detail.duration_ms / 1000).toFixed(2)} s`;
-      li.append(meta);
-    }
-  });
+  u.addEventListener("segment_started", (e) => addCaptionSegment(u, e.detail));
+  u.addEventListener("segment", (e) => timeCaptionSegment(u, e.detail));
   u.addEventListener("error", (e) => console.warn("rtts: utterance failed:", e.detail.code,
                                                    e.detail.message));
   u.addEventListener("cancelled", (e) => {
@@ -96,6 +161,7 @@ function getClient() {
   client = new RttsClient(wsUrl.href, {
     reconnect: { maxDelayMs: num("backoff_max_ms"), baseDelayMs: num("backoff_base_ms") },
     queue: { deadlineMs: num("queue_deadline_ms") },
+    token: auth.needed ? browserToken : undefined,
   });
   window.__rtts.client = client;
   window.__rtts.states = [];
@@ -106,9 +172,11 @@ function getClient() {
   client.player.addEventListener("stats", (e) => {
     const s = e.detail;
     window.__rtts.stats = s;
-    $("buffered").textContent = `${s.bufferedMs.toFixed(0)} ms (target ${s.targetMs} ms)`;
-    $("underruns").textContent = String(s.underruns);
-    if (current) $("heard").textContent = `${(current.heard().playedMs / 1000).toFixed(2)} s`;
+    $("buffered").textContent = s.bufferedMs > 0
+      ? `${seconds(s.bufferedMs)} (playback waits for ${s.targetMs} ms)` : "none (idle)";
+    $("underruns").textContent = s.underruns === 0 ? "none"
+      : `${s.underruns} (the buffer grew to ${s.targetMs} ms to avoid more)`;
+    if (current) $("heard").textContent = seconds(current.heard().playedMs);
   });
   opening = client.open().catch((err) => console.warn("rtts: not connected:", err.message));
   return client;
@@ -122,6 +190,11 @@ async function ensureClient() {
 }
 
 async function speak(input) {
+  if (auth.needed && !auth.secret) {
+    showAuth();
+    $("key").focus();
+    throw new Error("this server needs a key");
+  }
   const c = getClient();
   if (current && (current.state === "open" || current.state === "queued")) {
     await c.cancel(current.contextId);
@@ -136,8 +209,9 @@ async function* simulatedLlm(text) {
   }
 }
 
-$("speak").addEventListener("click", () => speak($("text").value));
-$("llm").addEventListener("click", () => speak(simulatedLlm($("text").value)));
+const quietly = (p) => p.catch((err) => console.warn("rtts:", err.message));
+$("speak").addEventListener("click", () => quietly(speak($("text").value)));
+$("llm").addEventListener("click", () => quietly(speak(simulatedLlm($("text").value))));
 $("cancel").addEventListener("click", async () => {
   if (current && client) await client.cancel(current.contextId);
   live = null;
@@ -145,7 +219,13 @@ $("cancel").addEventListener("click", async () => {
 $("server").addEventListener("click", () => { client?.reconnect(); });
 $("live").addEventListener("change", async (e) => {
   if (e.target.checked) {
-    const u = await speak(undefined);
+    let u;
+    try {
+      u = await speak(undefined);
+    } catch {
+      e.target.checked = false;
+      return;
+    }
     live = { utterance: u, sent: 0 };
     $("text").value = "";
   } else if (live) {
@@ -186,33 +266,119 @@ function drawMeter() {
   }
   g.fillStyle = "#2f6fed";
   g.fillRect(0, canvas.height - 6, Math.min(1, level) * canvas.width, 6);
+  updateCaptions();
   requestAnimationFrame(drawMeter);
 }
 
 window.__rtts = { speak, ensureClient, getClient, client: null, stats: null, states: [],
-                 info: null };
+                 info: null,
+                 captions: () => ({
+                   heard: document.querySelectorAll("#captions .heard").length,
+                   total: captions.segments.reduce((a, s) => a + s.spans.length, 0),
+                   playing: captions.playing?.li.id ?? null }) };
+
+const REAL_SPEECH = "For real speech now, offline: stop it and run <code>make run-piper</code>" +
+  " (the piper test voice), or give ChatTTS its weights with <code>--model-dir DIR</code>" +
+  " (docs: Hear real speech).";
+
+const SAMPLE_TEXT = {
+  en: "Hello! This is rtts, streaming speech as the text arrives. " +
+      "Each word lights up below as you hear it.",
+  zh: "你好！这是实时语音合成，文字一到就开始说话。你听到的每个字都会在下面亮起来。",
+};
+
+/** The primary engine's language, from its first voice (piper names start with it). */
+function language(info) {
+  const primary = (info.engines ?? []).find((e) => e.primary);
+  const name = primary?.voices?.[0]?.name ?? "";
+  const m = /^([a-z]{2})_[a-z]{2}-/.exec(name);
+  return { lang: m ? m[1] : "en", voice: primary?.name === "piper" ? primary.voices[0].voice : null };
+}
 
 function showInfo(info) {
   window.__rtts.info = info;
   const banner = $("banner");
   let warning = "";
   if (info.engine === "fake") {
-    warning = "This server runs the fake test engine: you will hear tones, not speech.";
+    warning = "This server runs the fake test engine: you will hear tones, not speech. " +
+      REAL_SPEECH;
   } else if (info.random_weights) {
-    warning = "This server runs a random-weight ChatTTS checkpoint: you will hear noise, " +
-      "not speech. Start it with real weights (--model-dir) for speech.";
+    warning = "This server runs a random-weight ChatTTS checkpoint: you will hear " +
+      "<strong>noise</strong>, not speech. " + REAL_SPEECH;
   }
-  banner.textContent = warning;
+  banner.innerHTML = warning;
   banner.hidden = !warning;
+  const { lang, voice } = language(info);
+  const text = $("text");
+  if (text.value === text.defaultValue) text.value = SAMPLE_TEXT[lang] ?? SAMPLE_TEXT.en;
+  document.documentElement.lang = lang;
+  if (voice && $("voice").value === $("voice").defaultValue) $("voice").value = voice;
   if (!client) setServer(info.state === "ready" ? `ready · ${info.engine}` : info.state,
                          info.state === "ready" ? "ok" : "down");
+  auth.needed = Boolean(info.auth);
+  showAuth();
 }
 
-async function loadVoices() {
+// -- a server started with --api-key: a key (traded for a token) or a token -------------
+const auth = { needed: false, secret: sessionStorage.getItem("rtts-key") ?? "", token: null,
+               error: "" };
+
+function showAuth() {
+  const form = $("auth");
+  form.hidden = !auth.needed;
+  if (!auth.needed) return;
+  if (!auth.secret) {
+    $("authmsg").querySelector("strong").textContent = "This server needs a key.";
+    setServer("needs a key", "down");
+  } else if (auth.error) {
+    $("authmsg").querySelector("strong").textContent = `That did not work: ${auth.error}.`;
+    setServer("key refused", "down");
+  } else {
+    $("authmsg").querySelector("strong").textContent = "Key set.";
+  }
+}
+
+/** A browser token: the secret traded at /v1/token when it is a key, else the secret. */
+async function browserToken() {
+  if (!auth.secret) throw new Error("no key given");
+  const r = await fetch("/v1/token", { headers: { Authorization: `Bearer ${auth.secret}` } });
+  if (r.ok) {
+    auth.error = "";
+    return (await r.json()).token;
+  }
+  return auth.secret; // not a key: perhaps a token from the user's backend
+}
+
+async function useKey(secret) {
+  auth.secret = secret.trim();
+  auth.error = "";
+  sessionStorage.setItem("rtts-key", auth.secret);
+  try {
+    const token = await browserToken();
+    const r = await fetch(`/v1/voices?token=${encodeURIComponent(token)}`);
+    if (!r.ok) auth.error = r.status === 401 ? "neither a key nor a valid token" : `HTTP ${r.status}`;
+  } catch (err) {
+    auth.error = String(err?.message ?? err);
+  }
+  showAuth();
+  if (!auth.error) {
+    setServer("key accepted", "ok");
+    loadVoices();
+    client?.reconnect();
+  }
+}
+
+$("auth").addEventListener("submit", (e) => {
+  e.preventDefault();
+  useKey($("key").value);
+});
+
+async function loadVoices(seedsOnly = false) {
   const list = $("voices");
   const names = [];
-  try {
-    const r = await fetch("/v1/voices");
+  if (!seedsOnly) try {
+    const query = auth.needed && auth.secret ? `?token=${encodeURIComponent(await browserToken())}` : "";
+    const r = await fetch(`/v1/voices${query}`);
     if (r.ok) for (const v of (await r.json()).voices ?? []) names.push(v.name);
   } catch {
     // no voice list (an older server, or a key is needed): seeds only
@@ -222,7 +388,9 @@ async function loadVoices() {
                                                          { value: n })));
 }
 
-fetch("/v1/info").then((r) => r.json()).then(showInfo)
-  .catch(() => setServer("unreachable", "down"));
-loadVoices();
+fetch("/v1/info").then((r) => r.json()).then((info) => {
+  showInfo(info);
+  if (!auth.needed || auth.secret) loadVoices();
+  else loadVoices(true);
+}).catch(() => setServer("unreachable", "down"));
 requestAnimationFrame(drawMeter);

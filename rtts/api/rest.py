@@ -12,11 +12,11 @@ from typing import Final
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rtts.api.auth import Authenticator
-from rtts.api.http.common import ApiError, speech_options
+from rtts.api.http.common import ApiError, api_error_response, speech_options
 from rtts.api.http.speech import SpeechRequest, speak
 from rtts.audio.codecs import CODECS, Codec, codec_for
 from rtts.core.params import SpeechOptions
@@ -41,7 +41,8 @@ class RestEndpoints:
         ]
 
     async def info(self, request: Request) -> Response:
-        return JSONResponse(self.service.info())
+        # `auth`: whether a key or token is needed (the demo asks for one)
+        return JSONResponse({**self.service.info(), "auth": self.auth.enabled})
 
     async def formats(self, request: Request) -> Response:
         return JSONResponse({"formats": [
@@ -63,11 +64,15 @@ class RestEndpoints:
     async def token(self, request: Request) -> Response:
         """``GET /v1/token`` with ``Authorization: Bearer <key>``: a short-lived browser token."""
         if not self.auth.enabled:
-            return PlainTextResponse("auth is off: no token needed\n", status_code=404)
+            return api_error_response(ApiError(
+                404, "auth is off: no token needed (connect without one)",
+                code="auth_disabled"))
         kid = self.auth.key_from_header(request.headers.get("authorization"))
         if kid is None:
-            return PlainTextResponse("missing or invalid API key\n", status_code=401,
-                                     headers={"WWW-Authenticate": "Bearer"})
+            return api_error_response(ApiError(
+                401, "missing or invalid API key: send Authorization: Bearer <key>",
+                type="authentication_error", code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"}))
         body = {"token": self.auth.issue_token(kid, time.time()),
                 "expires_in": self.auth.config.token_ttl_s}
         return Response(orjson.dumps(body), media_type="application/json",

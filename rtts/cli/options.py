@@ -62,8 +62,10 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         if env is None:
             return text
         extra = [f"env {env}"]
+        # One default per flag: a help text that states its own default keeps it.
         if not isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) \
-                and "%(default)" not in text:
+                and "%(default)" not in text and "default" not in text.lower() \
+                and action.default is not argparse.SUPPRESS:
             default = action.default
             if default is None or default == []:
                 extra.insert(0, "default: none")

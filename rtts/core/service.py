@@ -183,7 +183,10 @@ class Service:
         except Exception as exc:
             self.state = State.FAILED
             self.state_reason = f"model load failed: {type(exc).__name__}: {exc}"
-            logger.exception("engine %s failed to load", self.engine.name)
+            if getattr(exc, "expected", False):  # the machine's state (offline…): one line
+                logger.error("engine %s failed to load: %s", self.engine.name, exc)
+            else:
+                logger.exception("engine %s failed to load", self.engine.name)
             raise
         await self.start_serving()
         logger.info("engine %s ready on %s in %.1fs",

@@ -54,6 +54,14 @@ def resolve_voice(voice: str, service: Service) -> str:
     if len(voice) >= 64:  # a ChatTTS speaker embedding string
         service.validate_params(SynthParams(voice=voice))
         return voice
+    if ":" in name:  # the primary engine's own wire form (piper:NAME with --engine piper)
+        try:
+            service.validate_params(other)
+            return other.voice or ""
+        except ProtocolError:
+            pass
+    loaded = [v.name for v in service.voices.list()]  # named, built-in and engine voices
     raise ProtocolError(f"unknown voice {voice[:64]!r}; use one of {', '.join(OPENAI_VOICES)}, "
-                        "a named voice (GET /v1/voices) or seed:N",
+                        f"{', '.join(loaded[:40]) + ', ' if loaded else ''}seed:N, or a "
+                        "voice's wire form (piper:NAME); GET /v1/voices lists them",
                         code=ErrorCode.INVALID_PARAMS)

@@ -152,8 +152,10 @@ class ChatTTSEngine:
                          else f"sha256:{digest}"),
         }
         if found.kind == "random":
+            from rtts.engines.weights import REAL_SPEECH_HINT
+
             logger.warning("serving RANDOM weights from %s: real ChatTTS code, noise for a "
-                           "voice; for tests and benchmarks only", path)
+                           "voice; for tests and benchmarks only. %s", path, REAL_SPEECH_HINT)
         else:
             logger.info("serving real ChatTTS weights %s (%s, %s)", self.weights["identity"],
                         found.source, path)

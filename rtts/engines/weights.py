@@ -42,9 +42,9 @@ from rtts.engines.checkpoint import _FILES as SHA256_KEYS
 from rtts.engines.checkpoint import is_random_checkpoint
 from rtts.errors import RttsError
 
-__all__ = ["ASSET_FILES", "HF_REPO", "Candidate", "HubUnavailable", "candidates", "download",
-           "has_assets", "hf_cache_dir", "hf_cached_snapshot", "hub_endpoint",
-           "local_weights_dir", "probe_hub", "snapshot_sha256_map"]
+__all__ = ["ASSET_FILES", "HF_REPO", "REAL_SPEECH_HINT", "Candidate", "HubUnavailable",
+           "candidates", "download", "has_assets", "hf_cache_dir", "hf_cached_snapshot",
+           "hub_endpoint", "local_weights_dir", "probe_hub", "snapshot_sha256_map"]
 
 logger = logging.getLogger("rtts.weights")
 
@@ -57,10 +57,17 @@ ASSET_FILES = (
     "asset/tokenizer/tokenizer.json",
 )
 DEFAULT_HUB_TIMEOUT_S = 5.0
+# What to do about noise, in the RANDOM warning, the `listening` line, `rtts doctor`, the demo.
+REAL_SPEECH_HINT = (
+    "For real speech offline now: `make run-piper` (the piper test voice; or `rtts serve "
+    "--engine piper --voice-model VOICE.onnx`); for ChatTTS, copy its weights to "
+    "~/.cache/rtts/ChatTTS/asset/ or pass --model-dir DIR (docs/real-speech.md)")
 
 
 class HubUnavailable(RttsError, RuntimeError):
     """The hub could not be reached (or offline mode is on): no download attempted."""
+
+    expected = True  # a state of the machine, not a bug: logged in one line, no traceback
 
 
 @dataclass(frozen=True)
@@ -220,7 +227,9 @@ def candidates(source: str, model_dir: Path | None) -> Iterator[Candidate]:
     except HubUnavailable as exc:
         if source == "huggingface":
             raise HubUnavailable(f"--source huggingface: no {HF_REPO} snapshot in "
-                                 f"{hf_cache_dir()} and no download: {exc}") from None
+                                 f"{hf_cache_dir()} and no download: {exc}. Copy the weights to "
+                                 f"{local_weights_dir()}/asset/ and use --source auto, or "
+                                 "serve the piper test voice: make run-piper") from None
         logger.warning("not downloading %s: %s", HF_REPO, exc)
     except Exception as exc:  # a failed download is one more reason to fall back
         if source == "huggingface":
@@ -229,6 +238,6 @@ def candidates(source: str, model_dir: Path | None) -> Iterator[Candidate]:
     if source == "auto":
         path = default_model_dir()
         logger.warning("no real ChatTTS weights found (see above): using the embedded "
-                       "default, a tiny RANDOM-WEIGHT checkpoint at %s (it speaks noise). "
-                       "Put the weights in %s, or pass --model-dir", path, local_weights_dir())
+                       "default, a tiny RANDOM-WEIGHT checkpoint at %s (it speaks noise). %s",
+                       path, REAL_SPEECH_HINT)
         yield Candidate(ensure_default_checkpoint(path), "random-default")

@@ -31,6 +31,7 @@ def add_job_parser(sub: Any) -> None:
                    help="API key (default $RTTS_API_KEY)")
     jsub = j.add_subparsers(dest="job_command", required=True)
     s = jsub.add_parser("submit", help="submit a UTF-8 text file; follow it; download")
+    _where(s)
     s.add_argument("file", type=Path)
     s.add_argument("--voice", default=None)
     s.add_argument("--seed", type=int, default=None)
@@ -44,12 +45,24 @@ def add_job_parser(sub: Any) -> None:
     s.add_argument("--no-wait", action="store_true", help="print the job id and return")
     st = jsub.add_parser("status", help="a job's state and progress (JSON)")
     st.add_argument("id")
+    _where(st)
     c = jsub.add_parser("cancel", help="cancel a job")
     c.add_argument("id")
+    _where(c)
     d = jsub.add_parser("download", help="download a job's audio (follows a running job)")
     d.add_argument("id")
+    _where(d)
     d.add_argument("-o", "--output", type=Path, required=True)
     d.add_argument("--chapter", type=int, default=None)
+
+
+def _where(p: argparse.ArgumentParser) -> None:
+    """``--url`` and ``--api-key`` after the sub-command too (``rtts job status ID --url U``);
+    given there, they override the ones before it."""
+    for flag, env in (("--url", "RTTS_URL"), ("--api-key", "RTTS_API_KEY")):
+        action = p.add_argument(flag, default=argparse.SUPPRESS,
+                                help=f"as `rtts job {flag}` (also ${env})")
+        action.rtts_env = env  # type: ignore[attr-defined]
 
 
 def heading_offsets(path: Path) -> list[int]:
@@ -128,7 +141,7 @@ def run_job_command(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except OSError as exc:
-        print(f"cannot reach {args.url}: {exc}", file=sys.stderr)
+        print(f"rtts job: error: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 1
 
 

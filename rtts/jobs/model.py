@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -95,6 +96,23 @@ def parse_chapters(raw: Iterable[object]) -> list[Chapter]:
     return [Chapter(i, start, title) for i, (start, title) in enumerate(sorted(marks.items()))]
 
 
+TITLE_CHARS = 200  # a longer first line is no heading
+_HEADING = re.compile(r"^(?:#{1,6}\s+(?P<md>.+)|(?P<word>(?:chapter|part)\s+\w+.*)|"
+                      r"(?P<zh>第.{1,9}[章节回卷].*))$", re.IGNORECASE)
+
+
+def heading_title(line: str) -> str:
+    """A chapter's title from its first line when that is a heading (``# One`` -> ``One``,
+    ``Chapter 3: The Sea``, ``第三章 大海``), else ``""``."""
+    line = line.strip()
+    if len(line) > TITLE_CHARS:
+        return ""
+    m = _HEADING.match(line)
+    if m is None:
+        return ""
+    return (m.group("md") or m.group("word") or m.group("zh") or "").strip().rstrip("#").strip()
+
+
 class JobSplitter:
     """Bytes or text pieces in, segments out, with chapter boundaries; pure and bounded
     (it holds at most one unfinished segment of text)."""
@@ -108,6 +126,9 @@ class JobSplitter:
         self.chars = 0  # characters read so far
         self.segments = 0  # segments emitted so far
         self._firsts = [0]  # first segment index of each chapter reached
+        # the first line of the chapter being read (bounded), for a title from its heading
+        self._line: list[str] | None = []
+        self._titles: dict[int, str] = {}
 
     def feed_bytes(self, data: bytes, final: bool = False) -> list[Chunk]:
         """UTF-8 bytes (any split); raises UnicodeDecodeError on invalid UTF-8."""
@@ -119,13 +140,17 @@ class JobSplitter:
             mark = self.chapters[self._next_mark].start if self._next_mark < len(
                 self.chapters) else None
             if mark is None or self.chars + len(text) < mark:
+                self._first_line(text)
                 out += self._push(text)
                 break
             cut = mark - self.chars
+            self._first_line(text[:cut])
             out += self._push(text[:cut])
             out += self._emit(self._segmenter.flush())
+            self._end_line()
             self._firsts.append(self.segments)
             self._next_mark += 1
+            self._line = []
             text = text[cut:]
         return out
 
@@ -133,9 +158,30 @@ class JobSplitter:
         """The end of the text: the last segment, and chapters past the end made empty."""
         out = self.feed(self._decoder.decode(b"", True))
         out += self._emit(self._segmenter.flush())
+        self._end_line()
         while len(self._firsts) < len(self.chapters):
             self._firsts.append(self.segments)
         return out
+
+    def _first_line(self, text: str) -> None:
+        """Collect the current chapter's first line, up to ``TITLE_CHARS``."""
+        if self._line is None:
+            return
+        line = self._line
+        if not "".join(line).strip():  # skip blank lines before the heading
+            line.clear()
+            text = text.lstrip()
+        end = text.find("\n")
+        line.append(text[:TITLE_CHARS + 1] if end < 0 else text[:min(end, TITLE_CHARS + 1)])
+        if end >= 0 or sum(map(len, line)) > TITLE_CHARS:
+            self._end_line()
+
+    def _end_line(self) -> None:
+        if self._line is not None:
+            title = heading_title("".join(self._line))
+            if title:
+                self._titles[len(self._firsts) - 1] = title
+            self._line = None
 
     def _push(self, text: str) -> list[Chunk]:
         self.chars += len(text)
@@ -147,8 +193,8 @@ class JobSplitter:
 
     def chapter_table(self) -> list[Chapter]:
         """The chapters with their first segments (after :meth:`finish`)."""
-        return [Chapter(c.index, c.start, c.title, first) for c, first in
-                zip(self.chapters, self._firsts, strict=True)]
+        return [Chapter(c.index, c.start, c.title or self._titles.get(c.index, ""), first)
+                for c, first in zip(self.chapters, self._firsts, strict=True)]
 
 
 def chapter_segments(chapters: list[Chapter], total: int, index: int) -> range:

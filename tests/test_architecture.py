@@ -101,3 +101,11 @@ def test_nothing_probes_an_engine_with_getattr() -> None:
     hits = [f"{m}:{i}" for m, p in MODULES.items()
             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert not hits
+
+
+def test_every_module_is_named_in_the_architecture_document() -> None:
+    doc = (ROOT.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    missing = [str(p.relative_to(ROOT.parent)) for p in sorted(ROOT.rglob("*.py"))
+               if p.name not in ("__init__.py", "__main__.py")
+               and f"`{p.relative_to(ROOT.parent)}`" not in doc]
+    assert not missing, f"docs/architecture.md does not name {missing}"

@@ -1,8 +1,12 @@
-"""Protocol front-ends, one module per wire protocol, each translating to :mod:`rtts.core`.
+"""Protocol front-ends, one module or package per wire protocol, each translating to
+:mod:`rtts.core`, and what they share. ``docs/architecture.md`` names every module.
 
-- :mod:`rtts.api.native.connection`: ``/v1/stream``, the native WebSocket protocol (v1)
-- :mod:`rtts.api.rest`: ``/v1/tts``, ``/v1/token``, ``/v1/info``, ``/v1/formats``
-- :mod:`rtts.api.openai`: ``/v1/audio/speech``, ``/v1/models``, ``/v1/audio/{models,voices}``
-- :mod:`rtts.api.http.app`: the ASGI app (routes, CORS, health, metrics, static files, OpenAPI)
-- :mod:`rtts.api.listener`: one port; WebSocket upgrades to ``websockets``, HTTP to uvicorn
+- native (``/v1/stream``): :mod:`rtts.api.native`
+- OpenAI: :mod:`rtts.api.openai`; ``/v1/tts`` and friends: :mod:`rtts.api.rest`
+- ElevenLabs: :mod:`rtts.api.elevenlabs`; Cartesia: :mod:`rtts.api.cartesia`;
+  Deepgram: :mod:`rtts.api.deepgram`; Wyoming: :mod:`rtts.api.wyoming`
+- voices and jobs APIs: :mod:`rtts.api.voices`, :mod:`rtts.api.jobs`
+- shared: :mod:`rtts.api.listener` (one port), :mod:`rtts.api.admission`, :mod:`rtts.api.auth`,
+  :mod:`rtts.api.handshake`, :mod:`rtts.api.tasks`, :mod:`rtts.api.compat`,
+  :mod:`rtts.api.http` (the ASGI app, errors, the one HTTP speech handler)
 """

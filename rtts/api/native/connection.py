@@ -159,7 +159,8 @@ class Connection:
         self.app = app
         self.ws = ws
         self.cfg = app.config
-        self.session = Session(app.config.limits, session_id=secrets.token_hex(8))
+        self.session = Session(app.config.limits, session_id=secrets.token_hex(8),
+                               normalize_later=True)  # by the core context, off the loop
         self.out: asyncio.Queue[tuple[int, str | bytes | _Close, float]] = asyncio.Queue(
             maxsize=app.config.send_queue_frames)
         self.pipelines: dict[str, ContextPipeline] = {}
@@ -420,7 +421,7 @@ class ContextPipeline:
         self.ctx = ctx
         self.app = conn.app
         self.speech = self.app.open_context(ctx.params, lookahead=conn.cfg.lookahead_segments,
-                                            use_cache=ctx.cache)
+                                            use_cache=ctx.cache, normalize=ctx.normalize)
         self.chunks: dict[int, Chunk] = {}  # queued segments by index
         self.task: asyncio.Task[None] | None = None
         self.pacer = LeadPacer(conn.cfg.max_lead_s)
@@ -464,7 +465,7 @@ class ContextPipeline:
                         await asyncio.sleep(0)
                     chunk = self.chunks[event.index]
                     started = conn.session.segment_started(ctx.context_id, event.index, chunk,
-                                                           event.cached)
+                                                           event.cached, event.spoken)
                     if started is not None:
                         await conn.send(0, started.event)
                     segment = _SegmentOut(self, event.index)

@@ -106,6 +106,7 @@ class ServerConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     # named voices (rtts.core.voices): a directory instances may share; None = built-ins only
     voices_dir: Path | None = field(default_factory=default_voices_dir)
+    max_voices_per_key: int = 100  # named voices one API key may own
     # long-text jobs (rtts.jobs): the API when jobs.redis_url is set, a worker with jobs.worker
     jobs: JobsConfig = field(default_factory=JobsConfig)
 

@@ -186,6 +186,13 @@ class WsAdmission:
         self._principals[connection] = Principal(kid, client)
         return None
 
+    def owner_of(self, connection: ServerConnection) -> str | None:
+        """After :meth:`handshake` accepted ``connection``: the owner id of its key (whose
+        named voices it may use), None without one (yet)."""
+        principal = self._principals.get(connection)
+        kid = principal.kid if principal is not None else None
+        return self.auth.owner(kid) if kid else None
+
     def identify_later(self, principal: Principal, authorization: str | None,
                        key: str | None) -> None:
         """Identify and admit a session whose key came after the handshake (in its first

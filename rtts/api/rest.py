@@ -81,7 +81,7 @@ class RestEndpoints:
     async def tts(self, request: Request) -> Response:
         fmt: list[Codec] = []
 
-        async def parse() -> SpeechRequest:
+        async def parse(owner: str | None) -> SpeechRequest:
             msg, codec, text = self._parse_tts(request)
             fmt.append(codec)
             return SpeechRequest(text, msg.params, codec.name, msg.sample_rate,

@@ -89,12 +89,13 @@ def authorize(auth: Authenticator, service: Service, request: Request, *,
 
 
 def authorize_listing(auth: Authenticator, service: Service, request: Request, *,
-                      key: str | None = None) -> None:
+                      key: str | None = None) -> str | None:
     """The check of a model or voice *name* list: none with auth off; with keys, a key (or
     token), unless ``--public-listing`` is on and the request presents no credentials at
-    all (the origin is still checked). A presented key is always verified."""
+    all (the origin is still checked). A presented key is always verified. Returns the
+    key id when one was presented (whose own voices a listing includes), else None."""
     if not auth.enabled:
-        return
+        return None
     presented = (key or request.headers.get("authorization")
                  or request.query_params.get("token"))
     if auth.config.public_listing and not presented:
@@ -103,8 +104,8 @@ def authorize_listing(auth: Authenticator, service: Service, request: Request, *
         except AuthError as exc:
             service.stats.auth_rejected_by[exc.kind] += 1
             raise auth_api_error(exc) from None
-        return
-    authorize(auth, service, request, admit=False, key=key)
+        return None
+    return authorize(auth, service, request, admit=False, key=key)
 
 
 def auth_api_error(exc: AuthError) -> ApiError:

@@ -55,19 +55,22 @@ def segment_error(exc: RttsError) -> ApiError:
 
 
 async def speak(service: Service, auth: Authenticator, request: Request,
-                parse: Callable[[], Awaitable[SpeechRequest]], *,
+                parse: Callable[[str | None], Awaitable[SpeechRequest]], *,
                 key: str | None = None, header: bool = True) -> SpeechBody:
-    """Authorize ``request``, ``parse()`` it, and start speaking it (see the module doc).
-    Raises :class:`ApiError` (or whatever ``parse`` raises) before any audio exists."""
+    """Authorize ``request``, ``parse(owner)`` it, and start speaking it (see the module
+    doc); ``owner`` is the key's owner id, whose named voices the request may use (None:
+    the shared ones). Raises :class:`ApiError` (or whatever ``parse`` raises) before any
+    audio exists."""
     kid = authorize(auth, service, request, key=key, header=header)
     try:
-        job = await parse()
+        owner = auth.owner(kid)
+        job = await parse(owner)
         check_ready(service)
         try:
-            service.validate_params(job.params)
+            service.validate_params(job.params, owner)
         except ProtocolError as exc:
             raise ApiError(400, exc.message, code=str(exc.code)) from None
-        ctx = service.open_context(job.params, normalize=job.normalize)
+        ctx = service.open_context(job.params, owner=owner, normalize=job.normalize)
         service.stats.http_requests += 1
         ctx.feed(job.text)
         ctx.end()

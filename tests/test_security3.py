@@ -13,19 +13,18 @@ import asyncio
 import contextlib
 import json
 import statistics
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from wyoming.client import AsyncTcpClient
 from wyoming.event import Event
 
-sys.path.insert(0, str(Path(__file__).parent))
-from procs import free_port, start_rtts  # noqa: E402
+from procs import free_port, start_rtts
 
 HOSTILE_TEXT = "3-5 " * 5000  # 20,000 characters: the probe's message
 
@@ -119,8 +118,8 @@ async def _hostile_wyoming(port: int, stop: asyncio.Event) -> int:
 def _serve(tmp_path: Path, *args: str) -> Any:
     port, wport = free_port(), free_port()
     with start_rtts(["--engine", "fake", "--wyoming-port", str(wport), *args], port,
-                    tmp_path / "rtts.log"):
-        yield port, wport
+                    tmp_path / "rtts.log") as proc:
+        yield port, wport, proc.pid
 
 
 # -- High 1: normalization freezes the event loop --------------------------------------------
@@ -129,7 +128,7 @@ async def test_hostile_normalization_does_not_delay_other_clients(tmp_path: Path
     """The probe: one native socket (and one Wyoming connection) sending 20,000-character
     messages of ``3-5 `` blocked ``/healthz`` for 13.6 s and took another client's time to
     first audio from 20 ms to 14.8 s. Now both stay within a loose factor of idle."""
-    with _serve(tmp_path) as (port, wport):
+    with _serve(tmp_path) as (port, wport, _):
         await _ttfa_s(port, "warm")
         idle_ttfa = statistics.median([await _ttfa_s(port, f"i{i}") for i in range(3)])
         idle_health = statistics.median([await _healthz_s(port) for _ in range(3)])
@@ -171,3 +170,211 @@ def test_normalizer_cost_is_linear_in_its_input():
             return best / n
         small, big = cost(1000), cost(8000)
         assert big < 3 * small, (unit, small, big)
+
+
+# -- High 4: small requests inflate to gigabytes ---------------------------------------------
+
+def _speaker_bomb(inflated: int = 90_000_000) -> str:
+    """The probe's speaker string: ~7,500 characters of base16384 that decompress to ~90 MB
+    of float16 zeros (a real speaker is 768 values, 1,536 bytes)."""
+    import lzma
+
+    import pybase16384 as b14
+
+    filters = [{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME}]
+    packed = lzma.compress(b"\0" * inflated, format=lzma.FORMAT_RAW, filters=filters)
+    return str(b14.encode_to_string(packed))
+
+
+@pytest.fixture(scope="module")
+def bomb() -> str:
+    pytest.importorskip("pybase16384")
+    text = _speaker_bomb()
+    assert len(text) <= 8192  # within every speaker-string length limit
+    return text
+
+
+def _peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_speaker_bomb_is_refused_without_being_inflated(bomb: str):
+    import tracemalloc
+
+    from rtts.core.speaker import SpeakerError, decode_speaker
+    from rtts.core.voices import VoiceError, check_speaker
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(SpeakerError, match="more than"):
+            decode_speaker(bomb, dim=768)
+        with pytest.raises(VoiceError):
+            check_speaker(bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2**20, peak  # it used to allocate the whole 90 MB (twice)
+
+
+def test_post_voices_with_a_speaker_bomb_is_a_400_and_the_server_stays_small(
+        tmp_path: Path, bomb: str):
+    with _serve(tmp_path, "--voices-dir", str(tmp_path / "voices")) as (port, _, pid):
+        before = _peak_rss_mb(pid)
+        t0 = time.perf_counter()
+        status, body = _get(f"http://127.0.0.1:{port}/v1/voices", method="POST",
+                            data=json.dumps({"name": "bomb", "speaker": bomb}).encode(),
+                            headers={"Content-Type": "application/json"})
+        took = time.perf_counter() - t0
+        assert status == 400, body  # was 201, after inflating 92 MiB on the event loop
+        assert json.loads(body)["error"]["param"] == "speaker"
+        assert _peak_rss_mb(pid) - before < 40, (before, _peak_rss_mb(pid))
+        assert took < 1.0, took
+
+
+@pytest.mark.chattts
+def test_chattts_engine_refuses_a_speaker_bomb_as_openai_or_wyoming_voice(
+        tiny_checkpoint: Path, bomb: str):
+    """The OpenAI ``voice`` and Wyoming's voice name reach the engine's check
+    (``validate``): ChatTTS's own decoder inflated them in full (2.6 GB over Wyoming)."""
+    import tracemalloc
+
+    from rtts.api.native.protocol import SynthParams
+    from rtts.config import EngineConfig
+    from rtts.engines.chattts import ChatTTSEngine
+
+    eng = ChatTTSEngine(EngineConfig(source="custom", model_dir=tiny_checkpoint, threads=2))
+    eng.load()
+    tracemalloc.start()
+    try:
+        for voice in (bomb, bomb * 30):  # 8,000 and 252,000 characters
+            with pytest.raises(ValueError):
+                eng.validate(SynthParams(voice=voice))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, peak
+    eng.validate(SynthParams(voice=eng.random_speaker()))  # a real one still works
+
+
+# -- High 3: voices are global across keys ---------------------------------------------------
+
+K1, K2 = "k1-a-long-enough-test-key", "k2-another-long-test-key"
+H1 = {"Authorization": f"Bearer {K1}", "Content-Type": "application/json"}
+H2 = {"Authorization": f"Bearer {K2}", "Content-Type": "application/json"}
+
+
+async def _http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None
+                ) -> tuple[int, Any]:
+    data = None if body is None else (body if isinstance(body, bytes)
+                                      else json.dumps(body).encode())
+    status, raw = await asyncio.to_thread(_get, url, headers, method, data)
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw
+
+
+def _keyed_config(tmp_path: Path, **kw: Any) -> Any:
+    from dataclasses import replace
+
+    from helpers import base_config
+    from rtts.api.auth import AuthConfig
+
+    auth = AuthConfig(api_keys=(K1, K2), **kw.pop("auth", {}))
+    return replace(base_config(), auth=auth, voices_dir=tmp_path / "voices", wyoming_port=0,
+                   **kw)
+
+
+async def test_a_keys_voices_are_its_own(tmp_path: Path):
+    """The probe: k2 listed k1's voices, deleted one (204) and re-created it (201), after
+    which k1's requests spoke in k2's voice. Now each key sees and changes only its own,
+    and k1's name keeps k1's voice; Wyoming (no keys) is told none of them."""
+    from helpers import server
+    from rtts.server import bound_port
+
+    async with server(_keyed_config(tmp_path)) as (app, _):
+        base = f"http://127.0.0.1:{bound_port(app)}"
+        status, _ = await _http("POST", f"{base}/v1/voices",
+                                {"name": "narrator", "seed": 1234}, H1)
+        assert status == 201
+        _, listing = await _http("GET", f"{base}/v1/voices", headers=H2)
+        assert "narrator" not in {v["name"] for v in listing["voices"]}
+        assert (await _http("GET", f"{base}/v1/voices/narrator", headers=H2))[0] == 404
+        assert (await _http("DELETE", f"{base}/v1/voices/narrator", headers=H2))[0] == 404
+        # k2 may have its own "narrator"; k1's is unchanged
+        assert (await _http("POST", f"{base}/v1/voices", {"name": "narrator", "seed": 999},
+                            H2))[0] == 201
+        _, mine = await _http("GET", f"{base}/v1/voices/narrator", headers=H1)
+        _, theirs = await _http("GET", f"{base}/v1/voices/narrator", headers=H2)
+        assert (mine["seed"], theirs["seed"]) == (1234, 999)
+
+        async def audio(headers: dict[str, str], voice: str) -> bytes:
+            status, body = await _http("POST", f"{base}/v1/audio/speech", {
+                "model": "tts-1", "input": "Hello there.", "voice": voice,
+                "response_format": "pcm"}, headers)
+            assert status == 200, body
+            return bytes(body)
+
+        assert await audio(H1, "narrator") == await audio(H1, "seed:1234")
+        assert await audio(H2, "narrator") == await audio(H2, "seed:999")
+        assert await audio(H1, "narrator") != await audio(H2, "narrator")
+
+        assert app.wyoming is not None
+        async with AsyncTcpClient("127.0.0.1", app.wyoming.port) as client:
+            await client.write_event(Event("describe"))
+            info = await client.read_event()
+        assert info is not None and info.type == "info"
+        names = {v["name"] for p in info.data["tts"] for v in p["voices"]}
+        assert "narrator" not in names and "alloy" in names
+
+
+async def test_voices_per_key_are_capped_and_voice_writes_count_in_the_quota(tmp_path: Path):
+    """The probe created 10,000 voices with one key in 17 s (voice routes skipped the
+    per-minute quota); listings then blocked the loop."""
+    from helpers import server
+    from rtts.server import bound_port
+
+    cfg = _keyed_config(tmp_path, max_voices_per_key=3, auth={"sessions_per_minute": 6})
+    async with server(cfg) as (app, _):
+        base = f"http://127.0.0.1:{bound_port(app)}"
+        statuses = [(await _http("POST", f"{base}/v1/voices", {"name": f"v{i}", "seed": i},
+                                 H1)) for i in range(4)]
+        assert [s for s, _ in statuses] == [201, 201, 201, 403]
+        assert statuses[3][1]["error"]["code"] == "voice_limit"
+        assert (await _http("DELETE", f"{base}/v1/voices/v0", headers=H1))[0] == 204
+        assert (await _http("POST", f"{base}/v1/voices", {"name": "v9", "seed": 9},
+                            H1))[0] == 201
+        # 6 writes a minute (4 creates, a delete, a create): the seventh is refused
+        status, err = await _http("POST", f"{base}/v1/voices", {"name": "v8", "seed": 8}, H1)
+        assert status == 429 and err["error"]["code"] == "rate_limit_exceeded"
+        # another key is not affected
+        assert (await _http("POST", f"{base}/v1/voices", {"name": "v9", "seed": 9},
+                            H2))[0] == 201
+
+
+async def test_a_job_keeps_the_voice_its_name_had_at_submit(tmp_path: Path, redis_url: str):
+    """The probe replaced a voice after 20 of a job's 600 segments: the rest of the job
+    switched voice. A job now resolves its voice once, when it is submitted."""
+    from dataclasses import replace
+
+    from helpers import server
+    from rtts.jobs.model import JobsConfig
+    from rtts.server import bound_port
+
+    jobs = JobsConfig(redis_url=redis_url, dir=tmp_path / "jobs", prefix=f"t{time.time_ns()}")
+    async with server(replace(_keyed_config(tmp_path), jobs=jobs)) as (app, _):
+        base = f"http://127.0.0.1:{bound_port(app)}"
+        assert (await _http("POST", f"{base}/v1/voices", {"name": "narrator", "seed": 1234},
+                            H1))[0] == 201
+        status, st = await _http("POST", f"{base}/v1/jobs?format=pcm16&voice=narrator",
+                                 b"One sentence. Two sentences.",
+                                 {**H1, "Content-Type": "text/plain"})
+        assert status == 202, st
+        assert (await _http("DELETE", f"{base}/v1/voices/narrator", headers=H1))[0] == 204
+        assert (await _http("POST", f"{base}/v1/voices", {"name": "narrator", "seed": 5},
+                            H1))[0] == 201
+        record = await app.jobs.get(st["id"])  # type: ignore[union-attr]
+        assert record is not None and record.params["voice"] == "seed:1234"

@@ -5,8 +5,8 @@ A speaker string is base16384 text of raw-LZMA2-compressed float16 values (ChatT
 size check, so 8,000 characters could inflate to ~92 MiB (and a 252 KiB OpenAI ``voice``
 to gigabytes). :func:`decode_speaker` bounds all three steps: the string's length, the
 decoded bytes (from the length), and the decompressed output (``max_length``: never more
-than the expected vector plus one byte is produced), so a decode costs microseconds and a
-few KiB whatever the input. Pure; ``pybase16384`` is imported lazily (optional).
+than the expected vector plus one byte is produced, with a 64 KiB dictionary instead of the
+encoder's 64 MiB), so a decode costs microseconds and well under a MiB whatever the input. Pure; ``pybase16384`` is imported lazily (optional).
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ __all__ = ["MAX_SPEAKER_CHARS", "MAX_SPEAKER_VALUES", "SpeakerError", "decode_sp
 
 MAX_SPEAKER_CHARS: Final = 8192  # as the native protocol's voice limit
 MAX_SPEAKER_VALUES: Final = 16384  # when the engine's dimension is not known (ChatTTS: 768)
-_FILTERS: Final = [{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME}]
+# Decoding needs a dictionary only as large as the output (a speaker is a few KiB): the
+# encoder's preset 9 would make every decode allocate 64 MiB
+_FILTERS: Final = [{"id": lzma.FILTER_LZMA2, "dict_size": 1 << 16}]
 
 
 class SpeakerError(ValueError):

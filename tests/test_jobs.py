@@ -422,7 +422,7 @@ async def test_a_million_characters_upload_as_a_stream(redis_url, tmp_path):
         assert time.monotonic() - t0 < 30
         store = app.jobs
         assert store is not None
-        assert await store.redis.xlen(store.queue) >= st["segments_total"]
+        assert await store.redis.xlen(store.queue_of("anonymous")) >= st["segments_total"]
         status, _, _ = await ahttp("DELETE", f"{base}/v1/jobs/{st['id']}")
         assert status == 200
 

@@ -378,3 +378,151 @@ async def test_a_job_keeps_the_voice_its_name_had_at_submit(tmp_path: Path, redi
                             H1))[0] == 201
         record = await app.jobs.get(st["id"])  # type: ignore[union-attr]
         assert record is not None and record.params["voice"] == "seed:1234"
+
+
+# -- High 4 (jobs) and High 5: bounded bodies, per-key bounds, fairness, collection ----------
+
+def _jobs_cfg(redis_url: str, tmp_path: Path, **kw: Any) -> Any:
+    from rtts.jobs.model import JobsConfig
+
+    return JobsConfig(redis_url=redis_url, dir=tmp_path / "jobs",
+                      prefix=f"t{time.time_ns()}", **kw)
+
+
+async def test_a_job_with_a_million_chapter_marks_is_refused_at_once(
+        tmp_path: Path, redis_url: str):
+    """The probe: a 7.5 MiB body with 1,000,000 chapter marks and 25 characters of text was
+    accepted (202) in 12.7 s, took RSS from 148 to 1,281 MB, and every status GET of the job
+    returned 132 MiB."""
+    from dataclasses import replace
+
+    from helpers import server
+    from rtts.server import bound_port
+
+    cfg = replace(_keyed_config(tmp_path), jobs=_jobs_cfg(redis_url, tmp_path))
+    async with server(cfg) as (app, _):
+        base = f"http://127.0.0.1:{bound_port(app)}"
+        body = {"text": "A short text of 25 chars.", "format": "pcm16",
+                "chapters": list(range(1, 1_000_001))}
+        t0 = time.perf_counter()
+        status, err = await _http("POST", f"{base}/v1/jobs", body, H1)
+        assert status == 400 and err["error"]["code"] == "too_many_chapters", err
+        marks = ",".join(map(str, range(1, 1002)))  # one over the limit, in the query
+        status, err = await _http("POST", f"{base}/v1/jobs?format=pcm16&chapters={marks}",
+                                  b"A short text of 25 chars.",
+                                  {**H1, "Content-Type": "text/plain"})
+        assert status == 400 and err["error"]["code"] == "too_many_chapters", err
+        assert time.perf_counter() - t0 < 5.0
+        # the most a job may have: its status stays small
+        body["chapters"] = list(range(1, 1000))
+        status, st = await _http("POST", f"{base}/v1/jobs", body, H1)
+        assert status == 202, st
+        status, raw = await asyncio.to_thread(_get, f"{base}/v1/jobs/{st['id']}", H1)
+        assert status == 200 and len(raw) < 256 * 1024
+
+
+async def test_jobs_per_key_are_bounded(tmp_path: Path, redis_url: str):
+    """The probe queued 25 jobs with one key in 61 s; nothing but the per-minute session
+    quota paced it. Now a key holds a bounded number of unfinished jobs and characters."""
+    from dataclasses import replace
+
+    from helpers import server
+    from rtts.server import bound_port
+
+    jobs = _jobs_cfg(redis_url, tmp_path, max_jobs_per_key=2, max_queued_chars_per_key=5000)
+    async with server(replace(_keyed_config(tmp_path), jobs=jobs)) as (app, _):  # no worker
+        base = f"http://127.0.0.1:{bound_port(app)}"
+        text = {**H1, "Content-Type": "text/plain"}
+        sent = [await _http("POST", f"{base}/v1/jobs?format=pcm16", b"Hello there. " * 10,
+                            text) for _ in range(3)]
+        assert [s for s, _ in sent] == [202, 202, 429]
+        assert sent[2][1]["error"]["code"] == "job_quota"
+        # another key is not held up by k1's jobs
+        status, big = await _http("POST", f"{base}/v1/jobs?format=pcm16", b"Hello. " * 1000,
+                                  {**H2, "Content-Type": "text/plain"})
+        assert status == 413 and big["error"]["code"] == "body_too_large"  # 7,000 > 5,000
+        status, _ = await _http("POST", f"{base}/v1/jobs?format=pcm16", b"Hello. " * 10,
+                                {**H2, "Content-Type": "text/plain"})
+        assert status == 202
+        # a finished (here: cancelled) job no longer counts
+        status, _ = await _http("DELETE", f"{base}/v1/jobs/{sent[0][1]['id']}", headers=H1)
+        assert status == 200
+        assert (await _http("POST", f"{base}/v1/jobs?format=pcm16", b"Hello there.",
+                            text))[0] == 202
+
+
+async def test_a_second_keys_short_job_does_not_wait_behind_a_big_one(
+        tmp_path: Path, redis_url: str):
+    """The probe: a second key's one-sentence job waited over 62 s behind the first key's
+    big job (1,303 of 14,218 segments done). Workers now take the keys' segments in turn."""
+    from dataclasses import replace
+
+    from helpers import server
+    from rtts.engines.fake import FakeEngine
+    from rtts.server import bound_port
+
+    engine = FakeEngine(ms_per_char=5, rtf=0.05, continuous=True)
+    jobs = _jobs_cfg(redis_url, tmp_path, worker=True, concurrency=2)
+    async with server(replace(_keyed_config(tmp_path), jobs=jobs), engine) as (app, _):
+        base = f"http://127.0.0.1:{bound_port(app)}"
+        sentence = b"The keeper climbed the stairs and counted every one of them twice. "
+        status, big = await _http("POST", f"{base}/v1/jobs?format=pcm16", sentence * 400,
+                                  {**H1, "Content-Type": "text/plain"})
+        assert status == 202 and big["segments_total"] >= 100
+        await asyncio.sleep(0.5)  # the worker is busy with k1's job
+        status, small = await _http("POST", f"{base}/v1/jobs?format=pcm16", b"Hello there.",
+                                    {**H2, "Content-Type": "text/plain"})
+        assert status == 202
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            _, st = await _http("GET", f"{base}/v1/jobs/{small['id']}", headers=H2)
+            if st["state"] == "done":
+                break
+            await asyncio.sleep(0.1)
+        _, st_big = await _http("GET", f"{base}/v1/jobs/{big['id']}", headers=H1)
+        assert st["state"] == "done"
+        assert st_big["segments_done"] < st_big["segments_total"] // 2, st_big
+
+
+async def test_stored_audio_is_bounded_per_key_and_expired_jobs_audio_is_collected(
+        tmp_path: Path, redis_url: str):
+    """The probe: audio costs ~2,857 bytes a character on disk, so one 16 MiB job could
+    write ~45 GiB; when a job's record expired its audio stayed, with no API to remove it."""
+    from dataclasses import replace
+
+    from helpers import server
+    from rtts.engines.fake import FakeEngine
+    from rtts.server import bound_port
+
+    engine = FakeEngine(ms_per_char=5, continuous=True)
+    jobs = _jobs_cfg(redis_url, tmp_path, worker=True, max_audio_bytes_per_key=200_000)
+    async with server(replace(_keyed_config(tmp_path), jobs=jobs), engine) as (app, _):
+        base = f"http://127.0.0.1:{bound_port(app)}"
+        store = app.jobs
+        assert store is not None
+        status, st = await _http("POST", f"{base}/v1/jobs?format=pcm16",
+                                 b"A sentence of some length, spoken in full. " * 60,
+                                 {**H1, "Content-Type": "text/plain"})
+        assert status == 202
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            _, st = await _http("GET", f"{base}/v1/jobs/{st['id']}", headers=H1)
+            if st["state"] in ("done", "failed"):
+                break
+            await asyncio.sleep(0.1)
+        assert st["state"] == "failed" and "max_audio_bytes_per_key" in st["error"], st
+        held = sum(p.stat().st_size for p in (tmp_path / "jobs").rglob("*") if p.is_file())
+        assert held <= 200_000
+        # its record expires (as after ttl_s): the audio goes with it
+        status, ok = await _http("POST", f"{base}/v1/jobs?format=pcm16", b"Hello there.",
+                                 {**H2, "Content-Type": "text/plain"})
+        assert status == 202
+        for _ in range(300):
+            if (await _http("GET", f"{base}/v1/jobs/{ok['id']}", headers=H2))[1][
+                    "state"] == "done":
+                break
+            await asyncio.sleep(0.1)
+        assert (tmp_path / "jobs" / ok["id"]).is_dir()
+        await store.redis.delete(store.key(ok["id"]))
+        assert await store.collect() >= 1
+        assert not (tmp_path / "jobs" / ok["id"]).exists()

@@ -151,6 +151,7 @@ class JobEndpoints:
                 chapters = parse_chapters(raw_chapters, self.store.config.max_chapters)
             except ValueError as exc:
                 raise ApiError(400, str(exc), param="chapters") from None
+            queued_chars = await self._check_holdings(kid)
             job = uuid.uuid4().hex
             rate = output_rate(codec_for(fmt), msg.sample_rate)  # type: ignore[arg-type]
             # the voice resolves once, now: every segment speaks the voice the name had at
@@ -159,24 +160,48 @@ class JobEndpoints:
             params = {k: getattr(resolved, k) for k in resolved.__dataclass_fields__}
             await self.store.begin(job, kid, fmt, rate, params)
             try:
-                record = await self._upload(job, request, body, chapters)
+                record = await self._upload(job, request, body, chapters, kid, queued_chars)
             except BaseException:
                 with contextlib.suppress(Exception):
-                    await self.store.discard(job)
+                    await self.store.discard(job, kid)
                 raise
         finally:
             self.auth.release(kid)
         return JSONResponse(self._view(record), status_code=202,
                             headers={"Location": f"/v1/jobs/{job}", "Cache-Control": "no-store"})
 
-    async def _upload(self, job: str, request: Request, body: bytes | None,
-                      chapters: list[Any]) -> JobRecord:
+    async def _check_holdings(self, kid: str) -> int:
+        """429 when the key holds as many unfinished jobs, as much queued text or as much
+        stored audio as it may; else the characters it has queued."""
         cfg = self.store.config
+        unfinished, chars, audio = await self.store.holdings(kid)
+        if unfinished >= cfg.max_jobs_per_key:
+            raise ApiError(429, f"at most {cfg.max_jobs_per_key} unfinished jobs per key",
+                           type="requests", code="job_quota", headers={"Retry-After": "60"})
+        if chars >= cfg.max_queued_chars_per_key:
+            raise ApiError(429, f"at most {cfg.max_queued_chars_per_key} characters of "
+                           "unfinished jobs per key", type="requests", code="job_quota",
+                           headers={"Retry-After": "60"})
+        if audio >= cfg.max_audio_bytes_per_key:
+            raise ApiError(429, f"the key's jobs hold {audio} bytes of audio (at most "
+                           f"{cfg.max_audio_bytes_per_key}); delete finished jobs first",
+                           type="requests", code="job_quota", headers={"Retry-After": "60"})
+        return chars
+
+    async def _upload(self, job: str, request: Request, body: bytes | None,
+                      chapters: list[Any], owner: str = "", queued_chars: int = 0
+                      ) -> JobRecord:
+        cfg = self.store.config
+        room = cfg.max_queued_chars_per_key - queued_chars
         splitter = JobSplitter(chapters, cfg.segment_chars, cfg.min_segment_chars)
         batch: list[str] = []
         received = 0
 
         async def add(texts: list[str], final: bool = False) -> None:
+            if splitter.chars > room:
+                raise ApiError(413, f"the key's unfinished jobs would pass "
+                               f"{cfg.max_queued_chars_per_key} characters",
+                               code="body_too_large")
             batch.extend(texts)
             if batch and (final or len(batch) >= 500):
                 await self.store.add_segments(job, batch)
@@ -201,7 +226,7 @@ class JobEndpoints:
             raise ApiError(400, "the text is empty (nothing to say)", param="text",
                            code="empty_text")
         await self.store.commit(job, splitter.segments, splitter.chars,
-                                splitter.chapter_table())
+                                splitter.chapter_table(), owner)
         record = await self.store.get(job)
         assert record is not None
         logger.info("job %s: %d characters, %d segments, %d chapters", job, splitter.chars,
@@ -250,7 +275,7 @@ class JobEndpoints:
         try:
             record = await self._own(request, kid)
             if not await self.store.cancel(record.id):
-                await self.store.delete(record.id)
+                await self.store.delete(record.id, record.owner)
                 return Response(status_code=204, headers={"Cache-Control": "no-store"})
             record = await self._own(request, kid)
         finally:

@@ -6,7 +6,8 @@ size check, so 8,000 characters could inflate to ~92 MiB (and a 252 KiB OpenAI `
 to gigabytes). :func:`decode_speaker` bounds all three steps: the string's length, the
 decoded bytes (from the length), and the decompressed output (``max_length``: never more
 than the expected vector plus one byte is produced, with a 64 KiB dictionary instead of the
-encoder's 64 MiB), so a decode costs microseconds and well under a MiB whatever the input. Pure; ``pybase16384`` is imported lazily (optional).
+encoder's 64 MiB), so a decode costs microseconds and well under a MiB whatever the
+input (small enough to run on the event loop). Pure; ``pybase16384`` is imported lazily.
 """
 
 from __future__ import annotations

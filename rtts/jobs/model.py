@@ -52,6 +52,11 @@ class JobsConfig:
     prefix: str = "rtts:jobs"  # Redis key prefix (stream, group, records)
     ttl_s: int = 7 * 86400  # job records expire this long after their last change
     max_chapters: int = 1000  # chapter marks of one job (counted before they are parsed)
+    # per key (job owner; without keys, everyone is one): unfinished jobs, the characters
+    # of their text, and bytes of stored audio (of every job the key still holds)
+    max_jobs_per_key: int = 4
+    max_queued_chars_per_key: int = 20_000_000
+    max_audio_bytes_per_key: int = 4 * 2**30
 
 
 class JobState(StrEnum):

@@ -101,8 +101,16 @@ class App(Service):
         """Open ``/v1/stream`` connections."""
         return self.native.connections
 
+    def connections_by_protocol(self) -> dict[str, int]:
+        """Open client connections by protocol: native and ElevenLabs sockets, Wyoming
+        connections, HTTP requests being answered."""
+        return {"native": len(self.native.connections),
+                "elevenlabs": len(self.elevenlabs.sockets),
+                "wyoming": len(self.wyoming.connections) if self.wyoming is not None else 0,
+                "http": self.http.busy}
+
     def active_connections(self) -> int:
-        return len(self.native.connections)
+        return sum(self.connections_by_protocol().values())
 
     def active_contexts(self) -> int:
         return self.native.active_contexts()

@@ -526,3 +526,236 @@ async def test_stored_audio_is_bounded_per_key_and_expired_jobs_audio_is_collect
         await store.redis.delete(store.key(ok["id"]))
         assert await store.collect() >= 1
         assert not (tmp_path / "jobs" / ok["id"]).exists()
+
+
+# -- Medium 6-8: connections that never speak, stalled bodies, unbounded Wyoming ---------------
+
+async def test_keyless_elevenlabs_sockets_get_a_deadline_and_a_per_address_cap(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The probe held 2,000 ElevenLabs sockets with no key and no message (8 addresses),
+    after which keyed upgrades got 503."""
+    from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+    from helpers import server
+    from rtts.api import elevenlabs
+    from rtts.api.admission import UNIDENTIFIED_PER_CLIENT
+    from rtts.server import bound_port
+
+    monkeypatch.setattr(elevenlabs, "FIRST_MESSAGE_S", 0.5)
+    async with server(_keyed_config(tmp_path)) as (app, _):
+        url = (f"ws://127.0.0.1:{bound_port(app)}/v1/text-to-speech/x/stream-input"
+               "?inactivity_timeout=180")
+        async with connect(url) as ws:  # no key: accepted, then must send one
+            t0 = time.perf_counter()
+            with pytest.raises(ConnectionClosed) as closed:
+                async with asyncio.timeout(10):
+                    while True:
+                        await ws.recv()
+            assert time.perf_counter() - t0 < 5
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+        monkeypatch.setattr(elevenlabs, "FIRST_MESSAGE_S", 60.0)
+        async with contextlib.AsyncExitStack() as stack:
+            for _ in range(UNIDENTIFIED_PER_CLIENT):
+                await stack.enter_async_context(connect(url))
+            with pytest.raises(InvalidStatus) as refused:
+                await stack.enter_async_context(connect(url))
+            assert refused.value.response.status_code == 429
+            # a client with a key is not locked out by them
+            keyed = await stack.enter_async_context(
+                connect(url, additional_headers={"xi-api-key": K1}))
+            await keyed.send(json.dumps({"text": " "}))
+
+
+async def _wyoming_raw(port: int, data: bytes, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """Send raw bytes; the headers of every event received until the server closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        events = []
+        async with asyncio.timeout(timeout):
+            while line := await reader.readline():
+                header = json.loads(line)
+                events.append(header)
+                for key in ("data_length", "payload_length"):
+                    if header.get(key):
+                        await reader.readexactly(header[key])
+        return events
+    finally:
+        writer.close()
+
+
+async def test_silent_and_partial_wyoming_connections_are_closed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The probe: a silent Wyoming connection, and one announcing a 1,000-byte payload and
+    sending 3, stayed open past 60 s (2,000 idle ones locked new clients out)."""
+    from dataclasses import replace
+
+    from helpers import base_config, server
+    from rtts.api import wyoming
+    from rtts.engines.fake import FakeEngine
+
+    monkeypatch.setattr(wyoming, "IDLE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(wyoming, "EVENT_TIMEOUT_S", 0.5)
+    async with server(replace(base_config(), wyoming_port=0), FakeEngine(rtf=1.0)) as (app, _):
+        assert app.wyoming is not None
+        port = app.wyoming.port
+        t0 = time.perf_counter()
+        events = await _wyoming_raw(port, b"")
+        assert [e["type"] for e in events] == ["error"] and time.perf_counter() - t0 < 5
+        partial = json.dumps({"type": "synthesize", "payload_length": 1000}).encode()
+        events = await _wyoming_raw(port, partial + b"\n" + b"abc")
+        assert [e["type"] for e in events] == ["error"]
+        # a client waiting for its (slower than real time here) audio is not cut off
+        async with AsyncTcpClient("127.0.0.1", port) as client:
+            await client.write_event(Event("synthesize", {"text": "Hello there, general."}))
+            types = []
+            async with asyncio.timeout(20):
+                while (event := await client.read_event()) is not None:
+                    types.append(event.type)
+                    if event.type == "audio-stop":
+                        break
+            assert types[0] == "audio-start" and types[-1] == "audio-stop"
+
+
+async def test_a_streamed_wyoming_synthesis_is_capped_like_the_other_protocols():
+    """The probe fed one streaming context 4 M characters (the others stop at 100,000)."""
+    from dataclasses import replace
+
+    from helpers import base_config, server
+
+    async with server(replace(base_config(), wyoming_port=0)) as (app, _):
+        assert app.wyoming is not None
+        async with AsyncTcpClient("127.0.0.1", app.wyoming.port) as client:
+            await client.write_event(Event("synthesize-start", {}))
+            for _ in range(6):  # 120,000 characters
+                await client.write_event(Event("synthesize-chunk", {"text": "ab. " * 5000}))
+            async with asyncio.timeout(20):
+                while (event := await client.read_event()) is not None:
+                    if event.type == "error":
+                        break
+            assert event is not None and event.data["code"] == "text_too_long"
+
+
+async def test_a_job_upload_that_never_arrives_times_out_and_frees_the_key(
+        tmp_path: Path, redis_url: str):
+    """The probe: ``POST /v1/jobs`` with ``Content-Length: 100`` and no body was never timed
+    out; three stalled uploads held the key's sessions (a new request got 429)."""
+    from dataclasses import replace
+
+    from helpers import server
+    from rtts.server import bound_port
+
+    cfg = replace(_keyed_config(tmp_path, auth={"max_sessions_per_key": 1}),
+                  jobs=_jobs_cfg(redis_url, tmp_path), http_read_timeout_s=1.0)
+    async with server(cfg) as (app, _):
+        port = bound_port(app)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {K1}\r\n"
+                     "Content-Type: text/plain\r\nContent-Length: 100\r\n\r\nHello".encode())
+        await writer.drain()
+        t0 = time.perf_counter()
+        async with asyncio.timeout(10):
+            head = await reader.readline()
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 408"), head
+        assert time.perf_counter() - t0 < 5
+        assert not app.auth.active  # the key's session is released
+
+
+async def test_a_response_body_nobody_reads_is_ended_and_frees_the_key(tmp_path: Path):
+    """The probe: never-read ``/v1/audio/speech`` and SSE bodies were still open after 90 s,
+    and meanwhile a new ``/v1/tts`` for the same key got 429."""
+    import socket
+    from dataclasses import replace
+
+    from helpers import server
+    from rtts.server import bound_port
+
+    cfg = replace(_keyed_config(tmp_path, auth={"max_sessions_per_key": 1}),
+                  http_write_timeout_s=1.0)
+    async with server(cfg) as (app, _):
+        port = bound_port(app)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+        text = "Hello+there+general+Kenobi.+" * 170  # ~14 MB of PCM: more than any buffer
+        sock.send(f"GET /v1/tts?format=pcm16&text={text} HTTP/1.1\r\nHost: x\r\n"
+                  f"Authorization: Bearer {K1}\r\n\r\n".encode())
+        try:
+            await asyncio.sleep(0.5)
+            assert app.auth.active  # the stalled body holds the key's one session ...
+            for _ in range(100):
+                if not app.auth.active:
+                    break
+                await asyncio.sleep(0.1)
+            assert not app.auth.active  # ... until its write deadline
+            status, _ = await _http("GET", f"http://127.0.0.1:{port}/v1/tts?text=Hi.",
+                                    headers={"Authorization": f"Bearer {K1}"})
+            assert status == 200
+        finally:
+            sock.close()
+
+
+# -- Low 9 -------------------------------------------------------------------------------------
+
+async def test_low_findings(tmp_path: Path, redis_url: str):
+    """``/v1/token`` for a disallowed Origin, ``voice=seed:-1``, ``<id>:segs`` job ids,
+    and the connection gauges of every protocol."""
+    from dataclasses import replace
+
+    from helpers import server
+    from rtts.server import bound_port
+
+    cfg = replace(_keyed_config(tmp_path, auth={"allowed_origins": ("http://good.example",)}),
+                  jobs=_jobs_cfg(redis_url, tmp_path))
+    async with server(cfg) as (app, url):
+        base = f"http://127.0.0.1:{bound_port(app)}"
+        auth = {"Authorization": f"Bearer {K1}"}
+        status, _ = await _http("GET", f"{base}/v1/token",
+                                headers={**auth, "Origin": "http://evil.example"})
+        assert status == 403  # was 200
+        status, _ = await _http("GET", f"{base}/v1/token",
+                                headers={**auth, "Origin": "http://good.example"})
+        assert status == 200
+        async with connect(url, additional_headers=auth) as ws:
+            await ws.recv()  # ready
+            await ws.send(json.dumps({"type": "start", "context_id": "a", "voice": "seed:-1"}))
+            err = json.loads(await ws.recv())
+            assert err["type"] == "error" and err["code"] == "invalid_params", err
+        status, st = await _http("POST", f"{base}/v1/jobs?format=pcm16", b"Hello there.",
+                                 {**auth, "Content-Type": "text/plain"})
+        assert status == 202
+        for suffix in (":segs", ":bits", ":log"):
+            status, err = await _http("GET", f"{base}/v1/jobs/{st['id']}{suffix}",
+                                      headers=auth)
+            assert status == 404, (suffix, status, err)  # was 503, naming the job
+        # every protocol's connections are on /metrics
+        assert app.wyoming is not None
+        el = f"ws://127.0.0.1:{bound_port(app)}/v1/text-to-speech/x/stream-input"
+        async with connect(el, additional_headers={"xi-api-key": K1}), \
+                AsyncTcpClient("127.0.0.1", app.wyoming.port) as wy:
+            await wy.write_event(Event("ping", {}))
+            await wy.read_event()
+            _, metrics = await asyncio.to_thread(_get, f"{base}/metrics", auth)
+        text = metrics.decode()
+        assert 'rtts_active_connections_by_protocol{protocol="elevenlabs"} 1' in text
+        assert 'rtts_active_connections_by_protocol{protocol="wyoming"} 1' in text
+        assert "rtts_active_connections 2" in text or "rtts_active_connections 3" in text
+
+
+def test_info_does_not_show_the_piper_models_path(tmp_path: Path):
+    """Unauthenticated ``/v1/info`` showed the piper model's absolute path."""
+    from types import SimpleNamespace
+
+    from rtts.engines.piper import PiperEngine
+
+    eng = object.__new__(PiperEngine)
+    model = tmp_path / "secret" / "dir" / "en_US-joe-medium.onnx"
+    eng.models = {"joe": SimpleNamespace(name="joe", path=model, sample_rate=22050,
+                                         speakers=1)}  # type: ignore[assignment]
+    eng.workers, eng.threads = 1, 1  # type: ignore[misc]
+    details = eng._details()
+    assert details["voices"][0]["model"] == "en_US-joe-medium.onnx"
+    assert str(tmp_path) not in json.dumps(details)

@@ -104,6 +104,7 @@ _MP3: Final = {(22050, 32), (24000, 48), (44100, 32), (44100, 64), (44100, 96),
 _OPUS_KBPS: Final = (32, 64, 96, 128, 192)
 DEFAULT_FORMAT: Final = "mp3_44100_128"
 DEFAULT_INACTIVITY_S: Final = 20.0
+FIRST_MESSAGE_S: Final = 5.0  # a socket without a key must send its first message by then
 MAX_INACTIVITY_S: Final = 180.0
 _VOICE_SEEDS: Final = 100_000
 
@@ -554,10 +555,18 @@ class _Socket:
     async def _reader(self) -> None:
         limits = self.endpoint.service.config.limits
         while not self._closing:
+            keyless = self.principal.kid is None
             try:
-                async with asyncio.timeout(self.inactivity_s):
+                # a socket that has sent no key gets FIRST_MESSAGE_S for it, whatever its
+                # inactivity_timeout (2,000 keyless sockets held every slot)
+                async with asyncio.timeout(FIRST_MESSAGE_S if keyless else self.inactivity_s):
                     raw = await self.ws.recv()
             except TimeoutError:
+                if keyless:
+                    raise ElevenError(f"no key within {FIRST_MESSAGE_S:g} seconds (send "
+                                      "xi_api_key in the first message)",
+                                      "input_timeout_exceeded",
+                                      close=CLOSE_POLICY_VIOLATION) from None
                 if any(not c.ended for c in self.contexts.values()) or not self.contexts:
                     raise ElevenError(f"Have not received new text in {self.inactivity_s:g} "
                                       "seconds. Closing connection.",

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,11 +24,18 @@ from typing import Any, Final
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rtts.api.auth import Authenticator
-from rtts.api.http.common import ApiError, authorize, check_ready, read_body, speech_options
+from rtts.api.http.common import (
+    ApiError,
+    DeadlineStreamingResponse,
+    authorize,
+    check_ready,
+    read_body,
+    speech_options,
+)
 from rtts.audio.codecs import codec_for, output_rate
 from rtts.core.params import SpeechOptions
 from rtts.core.service import Service
@@ -48,6 +56,7 @@ __all__ = ["JOBS_OPENAPI", "JobEndpoints"]
 logger = logging.getLogger("rtts.api.jobs")
 
 _READ_BYTES: Final = 256 * 1024
+_JOB_ID_RE: Final = re.compile(r"^[0-9a-f]{32}$")  # uuid4().hex
 _POLL_S: Final = 0.25
 
 
@@ -130,7 +139,11 @@ class JobEndpoints:
             ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
             body: bytes | None = None
             if ctype == "application/json":
-                raw = await read_body(request, limit + 64 * 1024)
+                try:
+                    async with asyncio.timeout(self.service.config.http_read_timeout_s):
+                        raw = await read_body(request, limit + 64 * 1024)
+                except TimeoutError:
+                    raise _read_timeout(self.service.config.http_read_timeout_s) from None
                 try:  # up to 16 MiB: parsed off the event loop
                     obj = (orjson.loads(raw) if len(raw) < 64 * 1024
                            else await asyncio.to_thread(orjson.loads, raw))
@@ -211,7 +224,8 @@ class JobEndpoints:
             if body is not None:
                 await add([c.text for c in splitter.feed_bytes(body, final=True)])
             else:
-                async for piece in request.stream():
+                async for piece in _by_deadline(request.stream(),
+                                                self.service.config.http_read_timeout_s):
                     received += len(piece)
                     if received > cfg.max_upload_bytes:
                         raise ApiError(413, f"text larger than {cfg.max_upload_bytes} bytes",
@@ -236,7 +250,10 @@ class JobEndpoints:
     # -- GET / DELETE ------------------------------------------------------------------
 
     async def _own(self, request: Request, kid: str) -> JobRecord:
-        record = await self.store.get(request.path_params["job"])
+        job = request.path_params["job"]
+        if not _JOB_ID_RE.match(job):  # ("<id>:segs" named another Redis key of the job)
+            raise ApiError(404, "no such job", code="not_found")
+        record = await self.store.get(job)
         if record is None or record.owner != kid or record.state == "uploading":
             raise ApiError(404, "no such job", code="not_found")
         return record
@@ -314,8 +331,9 @@ class JobEndpoints:
         except BaseException:
             self.auth.release(kid)
             raise
-        return StreamingResponse(self._body(record, segs, head, kid),
-                                 media_type=codec.media_type, headers=headers)
+        return DeadlineStreamingResponse(
+            self._body(record, segs, head, kid), media_type=codec.media_type,
+            headers=headers, write_timeout_s=self.service.config.http_write_timeout_s)
 
     async def _size(self, record: JobRecord, segs: range) -> int:
         if record.format in ("wav", "pcm16"):
@@ -350,6 +368,26 @@ class JobEndpoints:
                         yield data
         finally:
             self.auth.release(kid)
+
+
+def _read_timeout(seconds: float) -> ApiError:
+    return ApiError(408, f"the request body stopped arriving for {seconds:g} s",
+                    code="request_timeout", headers={"Connection": "close"})
+
+
+async def _by_deadline(pieces: AsyncIterator[bytes], seconds: float) -> AsyncIterator[bytes]:
+    """``pieces``, each within ``seconds`` of the last (a 408 otherwise): a body announced
+    by its Content-Length that never comes, or stalls, no longer holds the key forever."""
+    iterator = pieces.__aiter__()
+    while True:
+        try:
+            async with asyncio.timeout(seconds):
+                piece = await iterator.__anext__()
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise _read_timeout(seconds) from None
+        yield piece
 
 
 _ERR: Final = {"description": "error", "content": {"application/json": {

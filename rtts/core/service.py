@@ -260,6 +260,9 @@ class Service:
     def active_connections(self) -> int:
         return 0
 
+    def connections_by_protocol(self) -> dict[str, int]:
+        return {}
+
     def active_contexts(self) -> int:
         return 0
 

@@ -23,7 +23,13 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from rtts.api.auth import Authenticator
-from rtts.api.http.common import ApiError, authorize, check_ready, overloaded
+from rtts.api.http.common import (
+    ApiError,
+    DeadlineStreamingResponse,
+    authorize,
+    check_ready,
+    overloaded,
+)
 from rtts.audio.codecs import Encoder, open_encoder
 from rtts.core.context import Audio, Done, Event, SegmentFailed, SpeechContext
 from rtts.core.params import SynthParams
@@ -156,10 +162,11 @@ class SpeechBody:
                  headers: dict[str, str] | None = None) -> StreamingResponse:
         """The streamed response: ``content`` (default: :meth:`chunks`), closed with the
         body whether it ends, fails or the client leaves."""
-        return StreamingResponse(self.chunks() if content is None else content,
-                                 media_type=media_type,
-                                 headers={"Cache-Control": "no-store", **(headers or {})},
-                                 background=BackgroundTask(self.aclose))
+        return DeadlineStreamingResponse(
+            self.chunks() if content is None else content, media_type=media_type,
+            headers={"Cache-Control": "no-store", **(headers or {})},
+            background=BackgroundTask(self.aclose),
+            write_timeout_s=self.ctx.service.config.http_write_timeout_s)
 
 
 def _nothing() -> None:

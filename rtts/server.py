@@ -102,10 +102,12 @@ class App(Service):
         return self.native.connections
 
     def connections_by_protocol(self) -> dict[str, int]:
-        """Open client connections by protocol: native and ElevenLabs sockets, Wyoming
-        connections, HTTP requests being answered."""
+        """Open client connections by protocol: native, ElevenLabs, Cartesia and Deepgram
+        sockets, Wyoming connections, HTTP requests being answered."""
         return {"native": len(self.native.connections),
                 "elevenlabs": len(self.elevenlabs.sockets),
+                "cartesia": len(self.cartesia.sockets),
+                "deepgram": len(self.deepgram.sockets),
                 "wyoming": len(self.wyoming.connections) if self.wyoming is not None else 0,
                 "http": self.http.busy}
 

@@ -433,6 +433,28 @@ class JobStore:
             pipe.xdel(stream, entry.id)
             await pipe.execute()
 
+    async def drop_entries(self, entry: QueueEntry) -> int:
+        """Acknowledge and delete the entries of ``entry``'s job that follow it in its
+        stream (a cancelled or failed job's: ~700,000 dead entries took minutes to drain
+        one by one). A job's entries are added together, so this stops at the first batch
+        with none of them. Returns how many were dropped."""
+        stream = entry.stream or self.queue
+        start, dropped = entry.id, 0
+        while True:
+            rows = await self.redis.xrange(stream, min=f"({start}", count=1000)
+            if not rows:
+                return dropped
+            ids = [rid for rid, fields in rows if fields.get(b"job", b"").decode() == entry.job]
+            if ids:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.xack(stream, self.group, *ids)
+                    pipe.xdel(stream, *ids)
+                    await pipe.execute()
+                dropped += len(ids)
+            if not ids:
+                return dropped
+            start = rows[-1][0].decode()
+
     # -- per-key bounds and collection -------------------------------------------------
 
     async def holdings(self, owner: str) -> tuple[int, int, int]:

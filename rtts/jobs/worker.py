@@ -181,6 +181,9 @@ class JobWorker:
                 or await store.is_stored(entry.job, entry.seg):
             self.stats.skipped += record is None or record.final
             await store.ack(entry)
+            if record is None or record.state in (JobState.CANCELLED, JobState.FAILED):
+                # the job's other entries are dead too: drop them now, not one by one
+                self.stats.skipped += await store.drop_entries(entry)
             return
         text = await store.segment_text(entry.job, entry.seg)
         if text is None:

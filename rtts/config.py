@@ -89,6 +89,10 @@ class ServerConfig:
     max_protocol_errors: int = 20
     send_queue_frames: int = 64  # per connection; beyond it the sender waits (pacing)
     slow_client_timeout_s: float = 10.0  # waiting that long for queue space closes 4008
+    # an HTTP response body the client stops reading for this long is ended (and its key's
+    # session released); a request body that stops arriving for this long is a 408
+    http_write_timeout_s: float = 60.0
+    http_read_timeout_s: float = 30.0
     frame_ms: int = 100  # audio per binary frame, at most
     lookahead_segments: int = 2  # segments of one context submitted ahead of playback
     max_lead_s: float | None = 2.0  # audio sent ahead of estimated playback; None = no pacing
@@ -106,6 +110,7 @@ class ServerConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     # named voices (rtts.core.voices): a directory instances may share; None = built-ins only
     voices_dir: Path | None = field(default_factory=default_voices_dir)
+    max_voices_per_key: int = 100  # named voices one API key may own
     # long-text jobs (rtts.jobs): the API when jobs.redis_url is set, a worker with jobs.worker
     jobs: JobsConfig = field(default_factory=JobsConfig)
 

@@ -101,8 +101,12 @@ def render_metrics(app: Service) -> str:
         "# TYPE rtts_up gauge", f"rtts_up{{state=\"{str(app.state)}\"}} 1",
         "# HELP rtts_weights_info the weights being served (kind: real, random, none)",
         "# TYPE rtts_weights_info gauge", _weights_info(app.weights()),
+        "# HELP rtts_active_connections open client connections, every protocol",
         "# TYPE rtts_active_connections gauge",
         f"rtts_active_connections {app.active_connections()}",
+        "# TYPE rtts_active_connections_by_protocol gauge",
+        *(f"rtts_active_connections_by_protocol{{protocol=\"{name}\"}} {n}"
+          for name, n in app.connections_by_protocol().items()),
         "# TYPE rtts_active_contexts gauge",
         f"rtts_active_contexts {app.active_contexts()}",
         "# TYPE rtts_active_http_requests gauge",

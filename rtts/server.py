@@ -101,8 +101,18 @@ class App(Service):
         """Open ``/v1/stream`` connections."""
         return self.native.connections
 
+    def connections_by_protocol(self) -> dict[str, int]:
+        """Open client connections by protocol: native, ElevenLabs, Cartesia and Deepgram
+        sockets, Wyoming connections, HTTP requests being answered."""
+        return {"native": len(self.native.connections),
+                "elevenlabs": len(self.elevenlabs.sockets),
+                "cartesia": len(self.cartesia.sockets),
+                "deepgram": len(self.deepgram.sockets),
+                "wyoming": len(self.wyoming.connections) if self.wyoming is not None else 0,
+                "http": self.http.busy}
+
     def active_connections(self) -> int:
-        return len(self.native.connections)
+        return sum(self.connections_by_protocol().values())
 
     def active_contexts(self) -> int:
         return self.native.active_contexts()

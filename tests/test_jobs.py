@@ -422,7 +422,7 @@ async def test_a_million_characters_upload_as_a_stream(redis_url, tmp_path):
         assert time.monotonic() - t0 < 30
         store = app.jobs
         assert store is not None
-        assert await store.redis.xlen(store.queue) >= st["segments_total"]
+        assert await store.redis.xlen(store.queue_of("anonymous")) >= st["segments_total"]
         status, _, _ = await ahttp("DELETE", f"{base}/v1/jobs/{st['id']}")
         assert status == 200
 
@@ -435,7 +435,7 @@ async def test_unreachable_queue_is_a_503_not_a_crash(tmp_path):
         status, headers, err = await ahttp("POST", f"{base}/v1/jobs", b"Hello there.")
         assert status == 503 and err["error"]["code"] == "queue_unavailable"
         assert headers["Retry-After"]
-        status, _, err = await ahttp("GET", f"{base}/v1/jobs/abc")
+        status, _, err = await ahttp("GET", f"{base}/v1/jobs/{'0' * 32}")  # a job id
         assert status == 503
 
 

@@ -43,6 +43,8 @@ __all__ = ["ConnectionCounts", "Principal", "WsAdmission", "client_address", "re
 
 logger = logging.getLogger("rtts.api.auth")
 
+UNIDENTIFIED_PER_CLIENT = 8  # open sockets of one address that have not sent a key yet
+
 
 @dataclass(slots=True)
 class Principal:
@@ -50,6 +52,7 @@ class Principal:
     # the first message has called :meth:`WsAdmission.identify_later`
     kid: str | None
     client: str  # client address (see client_address)
+    unidentified: bool = False  # counted in WsAdmission.unidentified until identified
 
 
 def client_address(peer: str | None, forwarded_for: str | None,
@@ -138,6 +141,10 @@ class WsAdmission:
         self.auth = auth
         self.config = service.config
         self.counts = ConnectionCounts()  # open sessions, counted by session()
+        # sessions with no key yet (ElevenLabs: the key comes in the first message): few
+        # per address and a quarter of --max-connections in all, so keyless sockets cannot
+        # fill every slot before anyone has been asked for a key
+        self.unidentified = ConnectionCounts()
         self._principals: weakref.WeakKeyDictionary[ServerConnection, Principal] = (
             weakref.WeakKeyDictionary())
 
@@ -179,12 +186,25 @@ class WsAdmission:
         except AuthError as exc:
             presented = key or authorization or query.get("token")
             if exc.status == 401 and key_later and not presented:
+                full = self.unidentified.refusal(client, max(1, cfg.max_connections // 4),
+                                                 UNIDENTIFIED_PER_CLIENT)
+                if full is not None:
+                    service.stats.auth_rejected_by["client_connections"] += 1
+                    return respond(429, f"{full[1]} without a key\n",
+                                   extra=[("Retry-After", "5")])
                 self._principals[connection] = Principal(None, client)
                 return None
             service.stats.auth_rejected_by[exc.kind] += 1
             return refusal(exc)
         self._principals[connection] = Principal(kid, client)
         return None
+
+    def owner_of(self, connection: ServerConnection) -> str | None:
+        """After :meth:`handshake` accepted ``connection``: the owner id of its key (whose
+        named voices it may use), None without one (yet)."""
+        principal = self._principals.get(connection)
+        kid = principal.kid if principal is not None else None
+        return self.auth.owner(kid) if kid else None
 
     def identify_later(self, principal: Principal, authorization: str | None,
                        key: str | None) -> None:
@@ -199,6 +219,9 @@ class WsAdmission:
             self.service.stats.auth_rejected_by[exc.kind] += 1
             raise
         principal.kid = kid
+        if principal.unidentified:
+            principal.unidentified = False
+            self.unidentified.remove(principal.client)
 
     @contextlib.asynccontextmanager
     async def session(self, ws: ServerConnection) -> AsyncIterator[Principal | None]:
@@ -218,10 +241,16 @@ class WsAdmission:
             yield None
             return
         self.counts.add(principal.client)
+        if principal.kid is None:
+            principal.unidentified = True
+            self.unidentified.add(principal.client)
         try:
             yield principal
         finally:
             self.counts.remove(principal.client)
+            if principal.unidentified:
+                principal.unidentified = False
+                self.unidentified.remove(principal.client)
             if principal.kid is not None:
                 self.auth.release(principal.kid)
 

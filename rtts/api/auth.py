@@ -105,6 +105,12 @@ class Authenticator:
         self.config = config
         self._secret = config.token_secret or secrets.token_bytes(32)
         self._keys = {key_id(k, self._secret): k for k in config.api_keys}
+        # what a key owns on shared storage (its named voices) is filed under a name that
+        # does not change with the token secret (random per instance unless configured);
+        # slow to derive, so a weak key is not guessed from a directory name
+        self._owners = {kid: hashlib.pbkdf2_hmac("sha256", k.encode(), b"rtts-owner",
+                                                 20_000).hex()[:32]
+                        for kid, k in self._keys.items()}
         # (secret, its key id -> the key id under the current secret), current first
         self._verifiers: list[tuple[bytes, dict[str, str]]] = [
             (self._secret, {kid: kid for kid in self._keys})]
@@ -118,6 +124,11 @@ class Authenticator:
     @property
     def enabled(self) -> bool:
         return bool(self._keys)
+
+    def owner(self, kid: str) -> str | None:
+        """The stable owner id of key ``kid`` for what it stores (named voices), the same on
+        every instance and across restarts; None when auth is off (everything is shared)."""
+        return self._owners.get(kid) if self.enabled else None
 
     @property
     def shared_secret(self) -> bool:

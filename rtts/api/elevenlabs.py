@@ -104,6 +104,7 @@ _MP3: Final = {(22050, 32), (24000, 48), (44100, 32), (44100, 64), (44100, 96),
 _OPUS_KBPS: Final = (32, 64, 96, 128, 192)
 DEFAULT_FORMAT: Final = "mp3_44100_128"
 DEFAULT_INACTIVITY_S: Final = 20.0
+FIRST_MESSAGE_S: Final = 5.0  # a socket without a key must send its first message by then
 MAX_INACTIVITY_S: Final = 180.0
 _VOICE_SEEDS: Final = 100_000
 
@@ -167,14 +168,14 @@ def parse_output_format(value: str | None) -> OutputFormat:
                       "invalid_output_format", status=422)
 
 
-def resolve_voice_id(voice_id: str, service: Service) -> str:
+def resolve_voice_id(voice_id: str, service: Service, owner: str | None = None) -> str:
     """An ElevenLabs voice id -> the rtts ``voice``. OpenAI's names, named voices, ``seed:N``
     and ChatTTS speaker strings resolve as on ``/v1/audio/speech``; any other short id
     (such as ElevenLabs' own ``21m00Tcm4TlvDq8ikWAM``) is a fixed speaker drawn from a seed
     derived from the id (CRC-32 mod 100000), so existing client configs work and one id
     always sounds the same."""
     try:
-        return resolve_voice(voice_id, service)
+        return resolve_voice(voice_id, service, owner)
     except ProtocolError as exc:
         if len(voice_id) >= 64 or not _VOICE_ID.match(voice_id):
             raise ElevenError(exc.message, "invalid_voice_id", status=400) from None
@@ -313,12 +314,13 @@ class SocketOptions:
     sync_alignment: bool = False
 
 
-def socket_options(voice_id: str, query: dict[str, str], service: Service) -> SocketOptions:
+def socket_options(voice_id: str, query: dict[str, str], service: Service,
+                   owner: str | None = None) -> SocketOptions:
     """The URL's voice and query -> :class:`SocketOptions`, or :class:`ElevenError` (answered
     at the handshake with its HTTP status, so a client never sees an accepted socket close
     before it has sent anything)."""
     fmt = parse_output_format(query.get("output_format"))
-    voice = resolve_voice_id(voice_id, service)
+    voice = resolve_voice_id(voice_id, service, owner)
     inactivity_s = DEFAULT_INACTIVITY_S
     raw = query.get("inactivity_timeout")
     if raw is not None:
@@ -386,7 +388,8 @@ class _Context:
         service = sock.endpoint.service
         self.cid = cid
         self.sock = sock
-        self.speech = service.open_context(params, schedule=schedule, normalize=sock.normalize)
+        self.speech = service.open_context(params, owner=sock.owner, schedule=schedule,
+                                           normalize=sock.normalize)
         fmt = sock.options.fmt
         self.encoder: Encoder = open_encoder(fmt.codec, service.sample_rate,
                                              fmt.sample_rate, fmt.bit_rate)
@@ -487,6 +490,13 @@ class _Socket:
         self._input_ended = False
         self._tasks = OwnedTasks()
 
+    @property
+    def owner(self) -> str | None:
+        """Whose named voices this socket may use (None: the shared ones only; a key sent
+        in the first message counts from then on)."""
+        kid = self.principal.kid
+        return self.endpoint.auth.owner(kid) if kid else None
+
     # -- lifecycle
 
     async def run(self) -> None:
@@ -545,10 +555,18 @@ class _Socket:
     async def _reader(self) -> None:
         limits = self.endpoint.service.config.limits
         while not self._closing:
+            keyless = self.principal.kid is None
             try:
-                async with asyncio.timeout(self.inactivity_s):
+                # a socket that has sent no key gets FIRST_MESSAGE_S for it, whatever its
+                # inactivity_timeout (2,000 keyless sockets held every slot)
+                async with asyncio.timeout(FIRST_MESSAGE_S if keyless else self.inactivity_s):
                     raw = await self.ws.recv()
             except TimeoutError:
+                if keyless:
+                    raise ElevenError(f"no key within {FIRST_MESSAGE_S:g} seconds (send "
+                                      "xi_api_key in the first message)",
+                                      "input_timeout_exceeded",
+                                      close=CLOSE_POLICY_VIOLATION) from None
                 if any(not c.ended for c in self.contexts.values()) or not self.contexts:
                     raise ElevenError(f"Have not received new text in {self.inactivity_s:g} "
                                       "seconds. Closing connection.",
@@ -605,7 +623,7 @@ class _Socket:
                               "opening a new one.", "max_active_conversations")
         service.check_admission()
         params = SynthParams(voice=self.voice, speed=speed_of(msg.voice_settings))
-        service.validate_params(params)
+        service.validate_params(params, self.owner)
         ctx = _Context(self, cid, params, chunk_schedule(msg.generation_config, self.auto_mode))
         self.contexts[cid] = ctx
         ctx.task = self._tasks.spawn(self._run_context(ctx), f"rtts-elevenlabs-{cid}")
@@ -664,8 +682,9 @@ class ElevenLabsEndpoints:
         if refused is not None:
             return refused
         try:  # an unknown voice or a bad query: refused now, as a wrong key is
-            self._options[connection] = socket_options(kind[0], _query(request.path),
-                                                       self.service)
+            self._options[connection] = socket_options(
+                kind[0], _query(request.path), self.service,
+                self.admission.owner_of(connection))  # (None: no key yet, shared voices)
         except ElevenError as exc:
             self.service.stats.protocol_errors += 1
             return respond(exc.status, orjson.dumps(
@@ -729,33 +748,33 @@ class ElevenLabsEndpoints:
         return {"/v1/voices": self.list_voices, "/v1/voices/{name}": self.get_voice,
                 "/v1/models": self.list_models}
 
-    def _voices(self) -> list[dict[str, Any]]:
+    def _voices(self, owner: str | None = None) -> list[dict[str, Any]]:
         builtin = [_voice_entry(name, "premade", "OpenAI voice name; a fixed rtts speaker")
                    for name in OPENAI_VOICES]
         named = [_voice_entry(v.name, "generated", "rtts named voice")
-                 for v in self.service.voices.list() if v.name not in OPENAI_VOICES]
+                 for v in self.service.voices.list(owner) if v.name not in OPENAI_VOICES]
         return builtin + named
 
     async def list_voices(self, request: Request) -> Response:
         """``GET /v1/voices``: ``{"voices": [{"voice_id", "name", "category", ...}]}``, every
         voice id this server speaks by name (any other short id is a seeded speaker)."""
         try:
-            authorize_listing(self.auth, self.service, request,
-                              key=request.headers.get("xi-api-key"))
+            kid = authorize_listing(self.auth, self.service, request,
+                                    key=request.headers.get("xi-api-key"))
         except ApiError as exc:
             return _http_error(exc.status, exc.code or "error", exc.message, exc.headers)
-        voices = self._voices()
+        voices = self._voices(self.auth.owner(kid) if kid else None)
         return JSONResponse({"voices": voices, "has_more": False, "total_count": len(voices),
                              "next_page_token": None}, headers={"Cache-Control": "no-store"})
 
     async def get_voice(self, request: Request) -> Response:
         try:
-            authorize_listing(self.auth, self.service, request,
-                              key=request.headers.get("xi-api-key"))
+            kid = authorize_listing(self.auth, self.service, request,
+                                    key=request.headers.get("xi-api-key"))
         except ApiError as exc:
             return _http_error(exc.status, exc.code or "error", exc.message, exc.headers)
         name = request.path_params["name"]
-        for voice in self._voices():
+        for voice in self._voices(self.auth.owner(kid) if kid else None):
             if voice["voice_id"] == name:
                 return JSONResponse(voice, headers={"Cache-Control": "no-store"})
         return _http_error(404, "voice_not_found", f"no voice with id {name[:64]!r}", {})
@@ -790,7 +809,7 @@ class ElevenLabsEndpoints:
         texts: list[str] = []
         formats: list[OutputFormat] = []
 
-        async def parse() -> SpeechRequest:
+        async def parse(owner: str | None) -> SpeechRequest:
             fmt = parse_output_format(request.query_params.get("output_format"))
             formats.append(fmt)
             raw = await read_body(request, service.config.max_message_bytes)
@@ -806,7 +825,7 @@ class ElevenLabsEndpoints:
             if len(text) > MAX_TEXT_CHARS:
                 raise ElevenError(f"text is longer than {MAX_TEXT_CHARS} characters")
             texts.append(text)
-            voice = resolve_voice_id(request.path_params["voice_id"], service)
+            voice = resolve_voice_id(request.path_params["voice_id"], service, owner)
             params = SynthParams(voice=voice, speed=speed_of(body.get("voice_settings")))
             normalize = str(body.get("apply_text_normalization", "auto")).lower() != "off"
             return SpeechRequest(text, params, fmt.codec, fmt.sample_rate, fmt.bit_rate,

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,11 +24,18 @@ from typing import Any, Final
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rtts.api.auth import Authenticator
-from rtts.api.http.common import ApiError, authorize, check_ready, read_body, speech_options
+from rtts.api.http.common import (
+    ApiError,
+    DeadlineStreamingResponse,
+    authorize,
+    check_ready,
+    read_body,
+    speech_options,
+)
 from rtts.audio.codecs import codec_for, output_rate
 from rtts.core.params import SpeechOptions
 from rtts.core.service import Service
@@ -48,6 +56,7 @@ __all__ = ["JOBS_OPENAPI", "JobEndpoints"]
 logger = logging.getLogger("rtts.api.jobs")
 
 _READ_BYTES: Final = 256 * 1024
+_JOB_ID_RE: Final = re.compile(r"^[0-9a-f]{32}$")  # uuid4().hex
 _POLL_S: Final = 0.25
 
 
@@ -87,7 +96,8 @@ class JobEndpoints:
 
     # -- POST /v1/jobs -----------------------------------------------------------------
 
-    def _options(self, options: dict[str, Any]) -> tuple[SpeechOptions, str, list[Any]]:
+    def _options(self, options: dict[str, Any], owner: str | None = None
+                 ) -> tuple[SpeechOptions, str, list[Any]]:
         fmt = str(options.get("format") or "mp3")
         codec = codec_for(fmt)
         if codec is None or codec.name not in JOB_FORMATS:
@@ -97,11 +107,17 @@ class JobEndpoints:
         given = {k: v for k, v in options.items() if v is not None and v != ""}
         voice = given.get("voice")
         if isinstance(voice, str) and NAME_RE.match(voice) \
-                and self.service.voices.get(voice) is None:
+                and self.service.voices.get(voice, owner) is None:
             raise ApiError(404, f"no voice named {voice!r} (see GET /v1/voices)",
                            param="voice", code="unknown_voice")
         msg = speech_options(self.service, given)
         chapters = options.get("chapters") or []
+        most = self.store.config.max_chapters
+        # counted before anything is parsed or expanded (a million marks took 12.7 s)
+        if (isinstance(chapters, str) and chapters.count(",") >= most) or (
+                isinstance(chapters, list) and len(chapters) > most):
+            raise ApiError(400, f"at most {most} chapter marks", param="chapters",
+                           code="too_many_chapters")
         if isinstance(chapters, str):
             try:
                 chapters = [int(x) for x in chapters.split(",") if x.strip()]
@@ -124,7 +140,13 @@ class JobEndpoints:
             body: bytes | None = None
             if ctype == "application/json":
                 try:
-                    obj = orjson.loads(await read_body(request, limit + 64 * 1024))
+                    async with asyncio.timeout(self.service.config.http_read_timeout_s):
+                        raw = await read_body(request, limit + 64 * 1024)
+                except TimeoutError:
+                    raise _read_timeout(self.service.config.http_read_timeout_s) from None
+                try:  # up to 16 MiB: parsed off the event loop
+                    obj = (orjson.loads(raw) if len(raw) < 64 * 1024
+                           else await asyncio.to_thread(orjson.loads, raw))
                 except orjson.JSONDecodeError as exc:
                     raise ApiError(400, f"invalid JSON: {exc}", code="invalid_json") from None
                 if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
@@ -136,34 +158,63 @@ class JobEndpoints:
                                    code="body_too_large")
             else:
                 options = dict(request.query_params)
-            msg, fmt, raw_chapters = self._options(options)
+            owner = self.auth.owner(kid)
+            msg, fmt, raw_chapters = self._options(options, owner)
             try:
-                chapters = parse_chapters(raw_chapters)
+                chapters = parse_chapters(raw_chapters, self.store.config.max_chapters)
             except ValueError as exc:
                 raise ApiError(400, str(exc), param="chapters") from None
+            queued_chars = await self._check_holdings(kid)
             job = uuid.uuid4().hex
             rate = output_rate(codec_for(fmt), msg.sample_rate)  # type: ignore[arg-type]
-            params = {k: getattr(msg.params, k) for k in msg.params.__dataclass_fields__}
+            # the voice resolves once, now: every segment speaks the voice the name had at
+            # submit, whatever happens to the name later (the worker resolves nothing)
+            resolved = self.service.voices.apply(msg.params, owner)
+            params = {k: getattr(resolved, k) for k in resolved.__dataclass_fields__}
             await self.store.begin(job, kid, fmt, rate, params)
             try:
-                record = await self._upload(job, request, body, chapters)
+                record = await self._upload(job, request, body, chapters, kid, queued_chars)
             except BaseException:
                 with contextlib.suppress(Exception):
-                    await self.store.discard(job)
+                    await self.store.discard(job, kid)
                 raise
         finally:
             self.auth.release(kid)
         return JSONResponse(self._view(record), status_code=202,
                             headers={"Location": f"/v1/jobs/{job}", "Cache-Control": "no-store"})
 
-    async def _upload(self, job: str, request: Request, body: bytes | None,
-                      chapters: list[Any]) -> JobRecord:
+    async def _check_holdings(self, kid: str) -> int:
+        """429 when the key holds as many unfinished jobs, as much queued text or as much
+        stored audio as it may; else the characters it has queued."""
         cfg = self.store.config
+        unfinished, chars, audio = await self.store.holdings(kid)
+        if unfinished >= cfg.max_jobs_per_key:
+            raise ApiError(429, f"at most {cfg.max_jobs_per_key} unfinished jobs per key",
+                           type="requests", code="job_quota", headers={"Retry-After": "60"})
+        if chars >= cfg.max_queued_chars_per_key:
+            raise ApiError(429, f"at most {cfg.max_queued_chars_per_key} characters of "
+                           "unfinished jobs per key", type="requests", code="job_quota",
+                           headers={"Retry-After": "60"})
+        if audio >= cfg.max_audio_bytes_per_key:
+            raise ApiError(429, f"the key's jobs hold {audio} bytes of audio (at most "
+                           f"{cfg.max_audio_bytes_per_key}); delete finished jobs first",
+                           type="requests", code="job_quota", headers={"Retry-After": "60"})
+        return chars
+
+    async def _upload(self, job: str, request: Request, body: bytes | None,
+                      chapters: list[Any], owner: str = "", queued_chars: int = 0
+                      ) -> JobRecord:
+        cfg = self.store.config
+        room = cfg.max_queued_chars_per_key - queued_chars
         splitter = JobSplitter(chapters, cfg.segment_chars, cfg.min_segment_chars)
         batch: list[str] = []
         received = 0
 
         async def add(texts: list[str], final: bool = False) -> None:
+            if splitter.chars > room:
+                raise ApiError(413, f"the key's unfinished jobs would pass "
+                               f"{cfg.max_queued_chars_per_key} characters",
+                               code="body_too_large")
             batch.extend(texts)
             if batch and (final or len(batch) >= 500):
                 await self.store.add_segments(job, batch)
@@ -173,7 +224,8 @@ class JobEndpoints:
             if body is not None:
                 await add([c.text for c in splitter.feed_bytes(body, final=True)])
             else:
-                async for piece in request.stream():
+                async for piece in _by_deadline(request.stream(),
+                                                self.service.config.http_read_timeout_s):
                     received += len(piece)
                     if received > cfg.max_upload_bytes:
                         raise ApiError(413, f"text larger than {cfg.max_upload_bytes} bytes",
@@ -188,7 +240,7 @@ class JobEndpoints:
             raise ApiError(400, "the text is empty (nothing to say)", param="text",
                            code="empty_text")
         await self.store.commit(job, splitter.segments, splitter.chars,
-                                splitter.chapter_table())
+                                splitter.chapter_table(), owner)
         record = await self.store.get(job)
         assert record is not None
         logger.info("job %s: %d characters, %d segments, %d chapters", job, splitter.chars,
@@ -198,7 +250,10 @@ class JobEndpoints:
     # -- GET / DELETE ------------------------------------------------------------------
 
     async def _own(self, request: Request, kid: str) -> JobRecord:
-        record = await self.store.get(request.path_params["job"])
+        job = request.path_params["job"]
+        if not _JOB_ID_RE.match(job):  # ("<id>:segs" named another Redis key of the job)
+            raise ApiError(404, "no such job", code="not_found")
+        record = await self.store.get(job)
         if record is None or record.owner != kid or record.state == "uploading":
             raise ApiError(404, "no such job", code="not_found")
         return record
@@ -237,7 +292,7 @@ class JobEndpoints:
         try:
             record = await self._own(request, kid)
             if not await self.store.cancel(record.id):
-                await self.store.delete(record.id)
+                await self.store.delete(record.id, record.owner)
                 return Response(status_code=204, headers={"Cache-Control": "no-store"})
             record = await self._own(request, kid)
         finally:
@@ -276,8 +331,9 @@ class JobEndpoints:
         except BaseException:
             self.auth.release(kid)
             raise
-        return StreamingResponse(self._body(record, segs, head, kid),
-                                 media_type=codec.media_type, headers=headers)
+        return DeadlineStreamingResponse(
+            self._body(record, segs, head, kid), media_type=codec.media_type,
+            headers=headers, write_timeout_s=self.service.config.http_write_timeout_s)
 
     async def _size(self, record: JobRecord, segs: range) -> int:
         if record.format in ("wav", "pcm16"):
@@ -312,6 +368,26 @@ class JobEndpoints:
                         yield data
         finally:
             self.auth.release(kid)
+
+
+def _read_timeout(seconds: float) -> ApiError:
+    return ApiError(408, f"the request body stopped arriving for {seconds:g} s",
+                    code="request_timeout", headers={"Connection": "close"})
+
+
+async def _by_deadline(pieces: AsyncIterator[bytes], seconds: float) -> AsyncIterator[bytes]:
+    """``pieces``, each within ``seconds`` of the last (a 408 otherwise): a body announced
+    by its Content-Length that never comes, or stalls, no longer holds the key forever."""
+    iterator = pieces.__aiter__()
+    while True:
+        try:
+            async with asyncio.timeout(seconds):
+                piece = await iterator.__anext__()
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise _read_timeout(seconds) from None
+        yield piece
 
 
 _ERR: Final = {"description": "error", "content": {"application/json": {

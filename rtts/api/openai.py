@@ -43,7 +43,7 @@ EXTRA_FORMATS: Final = ("mulaw", "alaw", "webm", "pcm16")
 PCM_RATE: Final = 24000
 
 
-def resolve_voice(voice: Any, service: Service) -> str:
+def resolve_voice(voice: Any, service: Service, owner: str | None = None) -> str:
     """An OpenAI voice value (a name or ``{"id": name}``) -> the rtts ``voice`` string, or
     a 400 :class:`ApiError` (:func:`rtts.core.voicenames.resolve_voice`)."""
     if isinstance(voice, dict):
@@ -52,7 +52,7 @@ def resolve_voice(voice: Any, service: Service) -> str:
         raise ApiError(400, "voice must be a voice name or {\"id\": name}", param="voice",
                        code="invalid_value")
     try:
-        return resolve_core_voice(voice, service)
+        return resolve_core_voice(voice, service, owner)
     except ProtocolError as exc:
         raise ApiError(400, exc.message, param="voice", code="invalid_value") from None
 
@@ -61,7 +61,8 @@ def _bad(message: str, param: str | None, code: str = "invalid_value") -> ApiErr
     return ApiError(400, message, param=param, code=code)
 
 
-def parse_speech_request(body: Any, service: Service) -> dict[str, Any]:
+def parse_speech_request(body: Any, service: Service, owner: str | None = None
+                         ) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None, "invalid_json")
     for name in ("model", "input", "voice"):
@@ -78,7 +79,7 @@ def parse_speech_request(body: Any, service: Service) -> dict[str, Any]:
     if len(text) > MAX_INPUT_CHARS:
         raise _bad(f"input is {len(text)} characters; at most {MAX_INPUT_CHARS} are allowed",
                    "input", "string_above_max_length")
-    voice = resolve_voice(body["voice"], service)
+    voice = resolve_voice(body["voice"], service, owner)
     fmt = body.get("response_format") or "mp3"
     if not isinstance(fmt, str) or fmt not in OPENAI_FORMATS + EXTRA_FORMATS:
         raise _bad(f"response_format must be one of {', '.join(OPENAI_FORMATS)} "
@@ -132,24 +133,26 @@ class OpenAIEndpoints:
         return JSONResponse({"models": [{"id": m} for m in MODELS]})
 
     async def voices(self, request: Request) -> Response:
-        self._auth_only(request)
-        names = [*VOICES, *(v.name for v in self.service.voices.list())]
+        owner = self._auth_only(request)
+        names = [*VOICES, *(v.name for v in self.service.voices.list(owner))]
         return JSONResponse({"voices": [{"id": v, "name": v} for v in names]})
 
-    def _auth_only(self, request: Request) -> None:
-        authorize_listing(self.auth, self.service, request)
+    def _auth_only(self, request: Request) -> str | None:
+        """Authorize a listing; the key's voice owner id (None: no key, shared voices)."""
+        kid = authorize_listing(self.auth, self.service, request)
+        return self.auth.owner(kid) if kid else None
 
     async def speech(self, request: Request) -> Response:
         service = self.service
         parsed: list[dict[str, Any]] = []
 
-        async def parse() -> SpeechRequest:
+        async def parse(owner: str | None) -> SpeechRequest:
             raw = await read_body(request, service.config.max_message_bytes)
             try:
                 body = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 raise _bad("the request body is not valid JSON", None, "invalid_json") from None
-            req = parse_speech_request(body, service)
+            req = parse_speech_request(body, service, owner)
             parsed.append(req)
             return SpeechRequest(req["input"], SynthParams(voice=req["voice"],
                                                            speed=req["speed"]),

@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from rtts.api.auth import Authenticator
-from rtts.api.http.common import ApiError, api_error_response, speech_options
+from rtts.api.auth import Authenticator, AuthError
+from rtts.api.http.common import ApiError, api_error_response, auth_api_error, speech_options
 from rtts.api.http.speech import SpeechRequest, speak
 from rtts.audio.codecs import CODECS, Codec, codec_for
 from rtts.core.params import SpeechOptions
@@ -67,6 +67,11 @@ class RestEndpoints:
             return api_error_response(ApiError(
                 404, "auth is off: no token needed (connect without one)",
                 code="auth_disabled"))
+        try:  # as every other HTTP endpoint: a page of a disallowed origin gets nothing
+            self.auth.check_origin(request.headers.get("origin"))
+        except AuthError as exc:
+            self.service.stats.auth_rejected_by[exc.kind] += 1
+            return api_error_response(auth_api_error(exc))
         kid = self.auth.key_from_header(request.headers.get("authorization"))
         if kid is None:
             return api_error_response(ApiError(
@@ -81,7 +86,7 @@ class RestEndpoints:
     async def tts(self, request: Request) -> Response:
         fmt: list[Codec] = []
 
-        async def parse() -> SpeechRequest:
+        async def parse(owner: str | None) -> SpeechRequest:
             msg, codec, text = self._parse_tts(request)
             fmt.append(codec)
             return SpeechRequest(text, msg.params, codec.name, msg.sample_rate,

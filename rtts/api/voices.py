@@ -6,6 +6,11 @@ and optional ``"params"`` (``temperature``, ``top_P``, ``top_K``, ``speed``, ``s
 ``refine``: defaults for requests using the voice); 201 with the voice, 409 when the name
 exists or is built in, 400 (OpenAI-shaped error body) on bad input. Auth as every other
 API route: a key or token when the server has keys.
+
+With keys, voices are the key's own (see :mod:`rtts.core.voices`): a key lists, uses and
+deletes its voices and the shared ones, never another key's; the shared namespace is
+read-only over the API (403). ``POST`` and ``DELETE`` count against the key's per-minute
+session quota (``--sessions-per-minute``), and a key holds at most ``max_voices_per_key``.
 """
 
 from __future__ import annotations
@@ -44,25 +49,39 @@ class VoiceEndpoints:
     async def item(self, request: Request) -> Response:
         return await (self.delete(request) if request.method == "DELETE" else self.get(request))
 
-    def _auth(self, request: Request) -> None:
+    def _auth(self, request: Request) -> str | None:
+        """Authorize a read; the key's owner id (None: auth is off, all voices shared)."""
         if self.auth.enabled:
-            authorize(self.auth, self.service, request, admit=False)
+            return self._owner(authorize(self.auth, self.service, request, admit=False))
+        return None
+
+    def _owner(self, kid: str) -> str | None:
+        owner = self.auth.owner(kid)
+        if self.auth.enabled and owner is None:  # never write the shared namespace by accident
+            raise ApiError(403, "this key owns no voices", code="forbidden")
+        return owner
+
+    def _admit(self, request: Request) -> str:
+        """Authorize a write: counted in the key's per-minute quota (released at once)."""
+        kid = authorize(self.auth, self.service, request)
+        self.auth.release(kid)
+        return kid
 
     async def list(self, request: Request) -> Response:
-        self._auth(request)
-        return JSONResponse({"voices": [v.describe() for v in self.service.voices.list()]})
+        owner = self._auth(request)
+        return JSONResponse({"voices": [v.describe() for v in self.service.voices.list(owner)]})
 
     async def get(self, request: Request) -> Response:
-        self._auth(request)
+        owner = self._auth(request)
         name = request.path_params["name"]
-        voice = self.service.voices.get(name)
+        voice = self.service.voices.get(name, owner)
         if voice is None:
             raise ApiError(404, f"no voice named {name[:64]!r}", param="name",
                            code="voice_not_found")
         return JSONResponse(voice.describe())
 
     async def create(self, request: Request) -> Response:
-        self._auth(request)
+        owner = self._owner(self._admit(request))
         raw = await read_body(request, self.service.config.max_message_bytes)
         try:
             body: Any = orjson.loads(raw)
@@ -74,7 +93,9 @@ class VoiceEndpoints:
             raise ApiError(409, f"{body['name']!r} is a built-in (OpenAI) voice name",
                            param="name", code="voice_exists")
         try:
-            voice = self.service.voices.create(body, validate=self._validate_speaker)
+            voice = self.service.voices.create(
+                body, validate=lambda speaker: self._validate_speaker(speaker, owner),
+                owner=owner)
         except VoiceError as exc:
             raise _api_error(exc) from None
         return Response(orjson.dumps(voice.describe()), status_code=201,
@@ -82,25 +103,25 @@ class VoiceEndpoints:
                         headers={"Location": f"/v1/voices/{voice.name}"})
 
     async def delete(self, request: Request) -> Response:
-        self._auth(request)
+        owner = self._owner(self._admit(request))
         name = request.path_params["name"]
         if name in OPENAI_VOICES:
             raise ApiError(403, f"{name!r} is a built-in (OpenAI) voice; it cannot be deleted",
                            param="name", code="builtin_voice")
         try:
-            self.service.voices.delete(name)
+            self.service.voices.delete(name, owner)
         except VoiceError as exc:
             raise _api_error(exc) from None
         return Response(status_code=204)
 
-    def _validate_speaker(self, speaker: str) -> None:
+    def _validate_speaker(self, speaker: str, owner: str | None) -> None:
         """The engine's own check (decodable, the model's dimension)."""
-        self.service.validate_params(SynthParams(voice=speaker))
+        self.service.validate_params(SynthParams(voice=speaker), owner)
 
 
 def _api_error(exc: VoiceError) -> ApiError:
-    code = {400: "invalid_value", 403: "builtin_voice", 404: "voice_not_found",
-            409: "voice_exists"}.get(exc.status)
+    code = exc.api_code or {400: "invalid_value", 403: "builtin_voice", 404: "voice_not_found",
+                            409: "voice_exists"}.get(exc.status)
     if exc.status >= 500:
         return ApiError(exc.status, exc.message, type="server_error", code="storage_error")
     return ApiError(exc.status, exc.message, param=exc.param, code=code)

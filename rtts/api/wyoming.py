@@ -17,6 +17,13 @@ Bad input (not JSON, unknown event, a chunk without a start, an unknown voice) g
 ``error`` event {text, code}; the connection stays open unless the framing itself is broken
 (a header line over 64 KiB or a payload over ``max_message_bytes``), which is answered
 with an ``error`` event and then closed.
+
+Deadlines (there is no key to hold anyone to account): a connection with no synthesis
+running that sends no event for ``IDLE_TIMEOUT_S`` (30 s), and an event whose announced
+data or payload does not arrive within ``EVENT_TIMEOUT_S`` (10 s), get an ``error`` event
+with code ``timeout`` and are closed. A streamed synthesis takes at most
+``max_text_chars_per_context`` characters (100,000), as the other protocols' contexts.
+``describe`` lists only the shared named voices (never a key's own).
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ __all__ = ["MAX_HEADER_BYTES", "WyomingListener", "parse_header"]
 logger = logging.getLogger("rtts.wyoming")
 
 MAX_HEADER_BYTES = 64 * 1024
+IDLE_TIMEOUT_S = 30.0  # no event, nothing running: closed (an ``error`` event, code timeout)
+EVENT_TIMEOUT_S = 10.0  # an event's data and payload arrive within this of its header
 _WRITE_TIMEOUT_S = 10.0
 _LANGUAGES = ["en", "zh"]
 
@@ -102,6 +111,7 @@ class _Connection:
         self.reader = reader
         self.writer = writer
         self.streaming: SpeechContext | None = None  # between synthesize-start and -stop
+        self.streamed_chars = 0  # fed to ``streaming`` so far
         self.synthesis: asyncio.Task[None] | None = None
         self._tasks = OwnedTasks()
 
@@ -138,16 +148,37 @@ class _Connection:
             with contextlib.suppress(Exception):
                 await self.writer.wait_closed()
 
-    async def _read(self) -> Event | None:
+    async def _readline(self) -> bytes:
+        """The next header line; a connection with nothing running that sends no complete
+        line for ``IDLE_TIMEOUT_S`` is closed (it held a connection slot forever)."""
+        while True:
+            try:
+                async with asyncio.timeout(IDLE_TIMEOUT_S):
+                    return await self.reader.readline()
+            except TimeoutError:
+                if self.busy:
+                    continue  # a synthesis is running: the client is waiting for its audio
+                raise _BadEvent(f"no event for {IDLE_TIMEOUT_S:g} s", "timeout",
+                                fatal=True) from None
+            except ValueError:  # longer than the reader's limit: the framing is lost
+                raise _BadEvent(f"event header longer than {MAX_HEADER_BYTES} bytes",
+                                "header_too_long", fatal=True) from None
+
+    async def _readexactly(self, n: int) -> bytes:
+        """An event's announced data or payload: all of it within ``EVENT_TIMEOUT_S``."""
         try:
-            line = await self.reader.readline()
-        except ValueError:  # longer than the reader's limit: the framing is lost
-            raise _BadEvent(f"event header longer than {MAX_HEADER_BYTES} bytes",
-                            "header_too_long", fatal=True) from None
-        if not line:
-            return None
-        if not line.strip():
-            return await self._read()
+            async with asyncio.timeout(EVENT_TIMEOUT_S):
+                return await self.reader.readexactly(n)
+        except TimeoutError:
+            raise _BadEvent(f"{n} bytes announced did not arrive within "
+                            f"{EVENT_TIMEOUT_S:g} s", "timeout", fatal=True) from None
+
+    async def _read(self) -> Event | None:
+        line = b"\n"
+        while not line.strip():  # (blank lines between events are allowed)
+            line = await self._readline()
+            if not line:
+                return None
         header = parse_header(line)
         limit = self.service.config.max_message_bytes
         data = dict(header.get("data") or {})
@@ -157,7 +188,7 @@ class _Connection:
             raise _BadEvent(f"data or payload larger than {limit} bytes", "too_large",
                             fatal=True)
         if data_length:
-            extra = await self.reader.readexactly(data_length)
+            extra = await self._readexactly(data_length)
             try:
                 more = json.loads(extra)
             except ValueError:
@@ -165,7 +196,7 @@ class _Connection:
             if not isinstance(more, dict):
                 raise _BadEvent("event data must be a JSON object", "invalid_event")
             data.update(more)
-        payload = await self.reader.readexactly(payload_length) if payload_length else None
+        payload = await self._readexactly(payload_length) if payload_length else None
         return Event(type=header["type"], data=data, payload=payload)
 
     async def write(self, event: Event) -> None:
@@ -183,11 +214,18 @@ class _Connection:
             self._check_idle()
             ctx = self._open(_voice_name(event))
             self.streaming = ctx
+            self.streamed_chars = 0
             self._run(ctx, streaming=True)
         elif SynthesizeChunk.is_type(event.type):
             if self.streaming is None:
                 raise _BadEvent("synthesize-chunk without synthesize-start", "not_streaming")
-            self._feed(self.streaming, _text(event))
+            text = _text(event)
+            most = self.service.config.limits.max_text_chars_per_context
+            if self.streamed_chars + len(text) > most:  # as the other protocols' contexts
+                raise _BadEvent(f"a streamed synthesis takes at most {most} characters",
+                                "text_too_long")
+            self._feed(self.streaming, text)
+            self.streamed_chars += len(text)
         elif SynthesizeStop.is_type(event.type):
             if self.streaming is None:
                 raise _BadEvent("synthesize-stop without synthesize-start", "not_streaming")

@@ -8,5 +8,6 @@ governor and counters; every protocol front-end in :mod:`rtts.api` talks to it t
 :class:`~rtts.core.context.SpeechContext` (feed text or add segments, flush, cancel, end;
 iterate segment events), which reaches the engines by :meth:`Service.open_segment` (the one
 cache -> scheduler path). Parameters: :mod:`rtts.core.params`; voice names:
-:mod:`rtts.core.voicenames`; the registry: :mod:`rtts.core.voices`.
+:mod:`rtts.core.voicenames`; the registry: :mod:`rtts.core.voices`; speaker strings,
+bounded: :mod:`rtts.core.speaker`.
 """

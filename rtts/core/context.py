@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 __all__ = ["Audio", "Done", "Event", "SegmentDone", "SegmentFailed", "SegmentStarted",
            "SpeechContext"]
 
+_INLINE_CHARS = 64  # chunks up to this long are normalized on the loop (well under 1 ms)
+
 
 @dataclass(frozen=True, slots=True)
 class SegmentStarted:
@@ -100,7 +102,8 @@ class SpeechContext:
         self.use_cache = use_cache
         self.background = background  # lowest priority, preemptible (job segments)
         self._spoken_text = SpokenText(enabled=normalize)  # chunk -> spoken, in order
-        self._pending: deque[tuple[int, Chunk, str]] = deque()
+        # (spoken None: normalized when it is submitted, off the event loop)
+        self._pending: deque[tuple[int, Chunk, str | None]] = deque()
         self._inflight: deque[tuple[int, Chunk, str, Source | RttsError, str | None]] = deque()
         self._next_index = 0
         self._ended = False
@@ -150,8 +153,7 @@ class SpeechContext:
 
     def _queue(self, chunks: list[Chunk], spoken: str | None = None) -> None:
         for chunk in chunks:
-            say = spoken if spoken is not None else self._spoken_text(chunk.text)
-            self._pending.append((self._next_index, chunk, say))
+            self._pending.append((self._next_index, chunk, spoken))
             self._next_index += 1
         if chunks:
             self._wakeup.set()
@@ -167,12 +169,24 @@ class SpeechContext:
 
     async def _submit_ahead(self) -> None:
         while self._pending and len(self._inflight) < self.lookahead and not self._cancelled:
-            index, chunk, spoken = self._pending.popleft()
+            index, chunk, say = self._pending.popleft()
+            spoken = say if say is not None else await self._speak(chunk.text)
+            if self._cancelled:
+                return
             # The spoken text is what is synthesized and what the phrase cache is keyed on.
             source, key = await self.service.open_segment(
                 spoken, self.params, first=index == 0, use_cache=self.use_cache,
                 background=self.background)
             self._inflight.append((index, chunk, spoken, source, key))
+
+    async def _speak(self, text: str) -> str:
+        """The spoken form of the next chunk (in order: it carries the language so far).
+        Normalizing costs a few microseconds a character: a long chunk is normalized in a
+        worker thread, so no client's text holds up the event loop (one chunk at a time
+        per context, so one context never has more than one in the pool)."""
+        if not self._spoken_text.enabled or len(text) <= _INLINE_CHARS:
+            return self._spoken_text(text)
+        return await asyncio.to_thread(self._spoken_text, text)
 
     async def events(self) -> AsyncGenerator[Event, None]:
         """Segment events in order until :class:`Done` (or the context is cancelled)."""

@@ -100,10 +100,9 @@ def parse_params(obj: Mapping[str, Any]) -> SynthParams:
         if not isinstance(voice, str) or not 0 < len(voice) <= MAX_VOICE_CHARS:
             raise _bad(f"voice must be a non-empty string of at most {MAX_VOICE_CHARS} chars")
         if voice.startswith("seed:"):
-            try:
-                int(voice[5:])
-            except ValueError:
-                raise _bad("voice 'seed:N' needs an integer N") from None
+            digits = voice[5:]
+            if not (digits.isascii() and digits.isdigit() and int(digits) <= 2**31 - 1):
+                raise _bad("voice 'seed:N' needs an integer N from 0 to 2147483647")
     refine = obj.get("refine", False)
     if not isinstance(refine, bool):
         raise _bad("refine must be true or false")

@@ -154,7 +154,7 @@ class Service:
         self._sampler: asyncio.Task[None] | None = None
         self._process = psutil.Process()
         self.cache = PhraseCache(config.cache, self.engine.name, self.engine.sample_rate)
-        self.voices = VoiceStore(config.voices_dir)
+        self.voices = VoiceStore(config.voices_dir, max_per_owner=config.max_voices_per_key)
         self.voices.default_engine = self.engine.name
         for e in engines:
             info = e.info
@@ -260,6 +260,9 @@ class Service:
     def active_connections(self) -> int:
         return 0
 
+    def connections_by_protocol(self) -> dict[str, int]:
+        return {}
+
     def active_contexts(self) -> int:
         return 0
 
@@ -284,10 +287,11 @@ class Service:
                     return engine
         return self.engine
 
-    def validate_params(self, params: SynthParams) -> None:
+    def validate_params(self, params: SynthParams, owner: str | None = None) -> None:
         """Reject params the engine cannot use (e.g. a malformed voice) before queueing.
-        A named voice is checked as what it resolves to (:meth:`VoiceStore.apply`)."""
-        params = self.voices.apply(params)
+        A named voice is checked as what it resolves to for ``owner`` (the key's owner id,
+        :meth:`VoiceStore.apply`)."""
+        params = self.voices.apply(params, owner)
         try:
             self.engine_for(params).validate(params)
         except ValueError as exc:
@@ -330,15 +334,17 @@ class Service:
         """The rate of every engine's audio here (the primary's; the others resample)."""
         return self.engine.sample_rate
 
-    def open_context(self, params: SynthParams, **options: Any) -> SpeechContext:
+    def open_context(self, params: SynthParams, *, owner: str | None = None,
+                     **options: Any) -> SpeechContext:
         """A new :class:`~rtts.core.context.SpeechContext` on this service, with the
         server's ``lookahead`` and ``max_chunk_chars`` unless ``options`` say otherwise.
-        The one place a named voice resolves (:meth:`VoiceStore.apply`): once per context,
-        so every segment of it uses the same speaker and params (and the cache keys them by
-        the speaker)."""
+        The one place a named voice resolves (:meth:`VoiceStore.apply`, among the voices
+        of ``owner``, the key's owner id, and the shared ones): once per context, so every
+        segment of it uses the same speaker and params (and the cache keys them by the
+        speaker), whatever happens to the name meanwhile."""
         options.setdefault("lookahead", self.config.lookahead_segments)
         options.setdefault("max_chunk_chars", self.config.limits.default_max_chunk_chars)
-        return SpeechContext(self, self.voices.apply(params), **options)
+        return SpeechContext(self, self.voices.apply(params, owner), **options)
 
     def weights(self) -> dict[str, str]:
         """Which weights the engine serves: ``kind`` (``real``, ``random``; ``none`` for an

@@ -36,14 +36,15 @@ def speed_from_factor(speed: float) -> int:
     return max(0, min(9, round(5 + 2.5 * math.log2(speed))))
 
 
-def resolve_voice(voice: str, service: Service) -> str:
-    """A client's voice string -> the ``SynthParams.voice`` to use (see the module doc)."""
+def resolve_voice(voice: str, service: Service, owner: str | None = None) -> str:
+    """A client's voice string -> the ``SynthParams.voice`` to use (see the module doc).
+    Named voices are ``owner``'s (the key's owner id) and the shared ones."""
     if not voice:
         raise ProtocolError("voice must be a non-empty string", code=ErrorCode.INVALID_PARAMS)
     name = voice.strip().lower()
     if name in OPENAI_VOICES:
         return f"seed:{OPENAI_VOICES[name]}"
-    if service.voices.get(name) is not None:  # a named voice: resolved per context
+    if service.voices.get(name, owner) is not None:  # a named voice: resolved per context
         return name
     if name.startswith("seed:") and name[5:].isdigit() and len(name) <= 15:
         return name

@@ -15,7 +15,16 @@ The store is a plain directory (``--voices-dir``; ``$RTTS_VOICES_DIR``; by defau
 mounted volume): every file is written under a temporary name and then linked into place,
 so a reader never sees half a file and two instances cannot both create one name; reads
 check the file's mtime on every lookup, so a voice created on one instance resolves on
-every other without a restart. The file::
+every other without a restart.
+
+**Owners.** With API keys, a voice belongs to the key that created it: it is filed under
+``<dir>/by-key/<owner>/<name>.json`` (``owner``: :meth:`rtts.api.auth.Authenticator.owner`,
+stable across instances and restarts), and only that key lists, uses, replaces or deletes
+it. The files directly in ``<dir>`` are the *shared* namespace: every key (and Wyoming,
+which has no keys) may use them, but only the operator writes them (files placed there,
+or the API of a server without keys). A key's own name shadows nothing: a name in the
+shared namespace cannot be created by a key. ``max_per_owner`` caps a key's voices. The
+file::
 
     {"name": "narrator", "speaker": null, "seed": 1234,
      "params": {"temperature": 0.2, "top_P": 0.7}, "created_at": 1767225600.0}
@@ -25,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import lzma
 import math
 import os
 import re
@@ -43,6 +51,8 @@ import orjson
 
 from rtts.core.params import SynthParams
 from rtts.core.params import parse_params as parse_synth_params
+from rtts.core.speaker import MAX_SPEAKER_CHARS, SpeakerError
+from rtts.core.speaker import decode_speaker as _decode_bounded
 from rtts.errors import ProtocolError, RttsError
 
 __all__ = ["BUILTIN_VOICES", "NAME_RE", "PARAM_KEYS", "Voice", "VoiceError", "VoiceStore",
@@ -52,6 +62,7 @@ __all__ = ["BUILTIN_VOICES", "NAME_RE", "PARAM_KEYS", "Voice", "VoiceError", "Vo
 logger = logging.getLogger("rtts.core.voices")
 
 NAME_RE: Final = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+_OWNER_RE: Final = re.compile(r"^[0-9a-f]{8,64}$")
 # Stable built-in names -> the seed their speaker is drawn from (never change a mapping:
 # clients rely on a name sounding the same everywhere). "default" is the engine's default.
 BUILTIN_VOICES: Final[dict[str, int]] = {
@@ -60,15 +71,16 @@ BUILTIN_VOICES: Final[dict[str, int]] = {
 }
 # Params a voice may carry as defaults (the SynthParams fields besides ``voice``).
 PARAM_KEYS: Final = ("seed", "temperature", "top_P", "top_K", "speed", "refine")
-MAX_SPEAKER_CHARS: Final = 8192  # as the protocol's voice limit
 _DEFAULTS: Final = SynthParams()
 
 
 class VoiceError(RttsError, ValueError):
     """A rejected voice operation; ``status`` is the HTTP status to answer with."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 api_code: str | None = None) -> None:
         super().__init__(message, code="invalid_voice")
+        self.api_code = api_code  # the API's error code, when the status alone does not say it
         self.status = status
         self.param = param
 
@@ -149,26 +161,15 @@ def parse_params(obj: Any) -> dict[str, Any]:
 
 def decode_speaker(speaker: str) -> npt.NDArray[np.float32] | None:
     """Decode a ChatTTS speaker string (base16384 of raw-LZMA2 float16, as
-    ``ChatTTS.model.Speaker._decode``); None when pybase16384 is not installed.
-    Raises :class:`VoiceError` when it does not decode or holds non-finite values."""
+    ``ChatTTS.model.Speaker._decode``, but bounded: see :mod:`rtts.core.speaker`); None
+    when pybase16384 is not installed. Raises :class:`VoiceError` when it does not decode,
+    decodes to more values than a speaker has, or holds non-finite values."""
     try:
-        import pybase16384 as b14
+        return _decode_bounded(speaker)
     except ImportError:
         return None
-    try:
-        raw = lzma.decompress(
-            b14.decode_from_string(speaker), format=lzma.FORMAT_RAW,
-            filters=[{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME}])
-        arr = np.frombuffer(raw, dtype=np.float16).astype(np.float32)
-    except Exception:
-        raise VoiceError("speaker is not a ChatTTS speaker embedding string "
-                         "(Chat.sample_random_speaker())", param="speaker") from None
-    if arr.size == 0:
-        raise VoiceError("speaker embedding is empty", param="speaker")
-    if not np.isfinite(arr).all():
-        raise VoiceError("speaker embedding has non-finite values (NaN or infinity)",
-                         param="speaker")
-    return arr
+    except SpeakerError as exc:
+        raise VoiceError(f"speaker: {exc}", param="speaker") from None
 
 
 def check_speaker(speaker: Any, validate: Callable[[str], None] | None = None) -> str:
@@ -230,10 +231,12 @@ class VoiceStore:
     inode changed, so it sees other instances' creates and deletes at once.
     """
 
-    def __init__(self, directory: Path | None, reserved: Iterable[str] = ()) -> None:
+    def __init__(self, directory: Path | None, reserved: Iterable[str] = (),
+                 max_per_owner: int = 100) -> None:
         self.directory = directory
         self.reserved = frozenset(reserved)  # names nobody may create (e.g. OpenAI's)
-        self._cache: dict[str, tuple[tuple[int, int, int], Voice | None]] = {}
+        self.max_per_owner = max_per_owner
+        self._cache: dict[Path, tuple[tuple[int, int, int], Voice | None]] = {}
         self._lock = threading.Lock()
         self.default_engine: str | None = None  # shown as the engine of seed/speaker voices
         self._engine_voices: dict[str, Voice] = {}  # other engines' voices (built-in)
@@ -255,28 +258,43 @@ class VoiceStore:
         voice = _BUILTINS.get(name) or self._engine_voices.get(name)
         return None if voice is None else self._stamp(voice)
 
-    def _path(self, name: str) -> Path:
+    def _dir(self, owner: str | None) -> Path:
         assert self.directory is not None
-        return self.directory / f"{name}.json"
+        if owner is None:
+            return self.directory
+        if not _OWNER_RE.match(owner):
+            raise ValueError("bad owner id")
+        return self.directory / "by-key" / owner
+
+    def _path(self, name: str, owner: str | None = None) -> Path:
+        return self._dir(owner) / f"{name}.json"
 
     # -- reading ---------------------------------------------------------------------
 
-    def get(self, name: str) -> Voice | None:
+    def get(self, name: str, owner: str | None = None) -> Voice | None:
+        """The voice ``name`` as ``owner`` sees it: a built-in, ``owner``'s own, else a
+        shared one (``owner=None``: built-ins and shared voices only)."""
         builtin = self._builtin(name)
         if builtin is not None:
             return builtin
         if self.directory is None or not NAME_RE.match(name):
             return None
-        path = self._path(name)
+        if owner is not None:
+            own = self._read(self._path(name, owner), name)
+            if own is not None:
+                return own
+        return self._read(self._path(name), name)
+
+    def _read(self, path: Path, name: str) -> Voice | None:
         try:
             st = path.stat()
         except OSError:
             with self._lock:
-                self._cache.pop(name, None)
+                self._cache.pop(path, None)
             return None
         key = (st.st_mtime_ns, st.st_size, st.st_ino)
         with self._lock:
-            cached = self._cache.get(name)
+            cached = self._cache.get(path)
         if cached is not None and cached[0] == key:
             return None if cached[1] is None else self._stamp(cached[1])
         voice: Voice | None
@@ -288,23 +306,28 @@ class VoiceStore:
             logger.warning("ignoring voice file %s: %s", path, exc)
             voice = None
         with self._lock:
-            self._cache[name] = (key, voice)
+            self._cache[path] = (key, voice)
         return None if voice is None else self._stamp(voice)
 
-    def list(self) -> list[Voice]:
+    def _names(self, owner: str | None) -> list[str]:
+        try:
+            return sorted(p.name[:-5] for p in self._dir(owner).iterdir()
+                          if p.name.endswith(".json") and not p.name.startswith(".")
+                          and NAME_RE.match(p.name[:-5]))
+        except OSError:
+            return []
+
+    def list(self, owner: str | None = None) -> list[Voice]:
         """Built-ins first (the primary engine's, then other engines'), then the stored
-        voices by name."""
+        voices ``owner`` may use (its own and the shared ones) by name."""
         stored: list[Voice] = []
         if self.directory is not None:
-            try:
-                names = sorted(p.name[:-5] for p in self.directory.iterdir()
-                               if p.name.endswith(".json") and not p.name.startswith("."))
-            except OSError:
-                names = []
-            for name in names:
+            names = set(self._names(None))
+            own = set(self._names(owner)) if owner is not None else set()
+            for name in sorted(names | own):
                 if name in _BUILTINS or name in self._engine_voices:
                     continue
-                voice = self.get(name)
+                voice = self.get(name, owner)
                 if voice is not None:
                     stored.append(voice)
         return [*map(self._stamp, _BUILTINS.values()),
@@ -313,9 +336,10 @@ class VoiceStore:
     # -- writing ---------------------------------------------------------------------
 
     def create(self, body: Any, validate: Callable[[str], None] | None = None,
-               now: float | None = None) -> Voice:
+               now: float | None = None, owner: str | None = None) -> Voice:
         """Validate and store a new voice from a create request (``name``, ``seed`` or
-        ``speaker``, optional ``params``); :class:`VoiceError` 400/409 otherwise."""
+        ``speaker``, optional ``params``) as ``owner``'s (None: a shared voice);
+        :class:`VoiceError` 400/409 (403 past ``max_per_owner``) otherwise."""
         if not isinstance(body, dict):
             raise VoiceError("the request body must be a JSON object")
         name = check_name(body.get("name"))
@@ -323,11 +347,17 @@ class VoiceStore:
             raise VoiceError(f"{name!r} is a built-in voice name", status=409, param="name")
         if self.directory is None:
             raise VoiceError("this server has no voices directory", status=403)
+        if owner is not None:
+            if self._path(name).exists():
+                raise VoiceError(f"{name!r} is a shared voice name", status=409, param="name")
+            if len(self._names(owner)) >= self.max_per_owner:
+                raise VoiceError(f"at most {self.max_per_owner} voices per key; delete one "
+                                 "first", status=403, param="name", api_code="voice_limit")
         voice = voice_from_json({**body, "created_at": time.time() if now is None else now})
         if voice.speaker is not None:
             check_speaker(voice.speaker, validate)
         try:
-            self._write_new(voice)
+            self._write_new(voice, owner)
         except VoiceError:
             raise
         except OSError as exc:  # read-only or full volume, permissions
@@ -336,13 +366,13 @@ class VoiceStore:
                              status=500) from None
         return self._stamp(voice)
 
-    def _write_new(self, voice: Voice) -> None:
+    def _write_new(self, voice: Voice, owner: str | None = None) -> None:
         """Write to a temporary file, then link it to its name: atomic, and exclusive (a
         second instance creating the same name at once gets 409, never half a file)."""
-        assert self.directory is not None
-        self.directory.mkdir(parents=True, exist_ok=True)
-        final = self._path(voice.name)
-        tmp = self.directory / f".{voice.name}.{uuid.uuid4().hex}.tmp"
+        directory = self._dir(owner)
+        directory.mkdir(parents=True, exist_ok=True)
+        final = self._path(voice.name, owner)
+        tmp = directory / f".{voice.name}.{uuid.uuid4().hex}.tmp"
         data = orjson.dumps(voice.to_file(), option=orjson.OPT_INDENT_2)
         try:
             with open(tmp, "wb") as f:
@@ -363,31 +393,37 @@ class VoiceStore:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
 
-    def delete(self, name: str) -> None:
+    def delete(self, name: str, owner: str | None = None) -> None:
+        """Delete ``owner``'s voice ``name`` (None: a shared voice)."""
         if name in _BUILTINS or name in self._engine_voices or name in self.reserved:
             raise VoiceError(f"{name!r} is a built-in voice; it cannot be deleted", status=403,
                              param="name")
         if self.directory is None or not NAME_RE.match(name):
             raise VoiceError(f"no voice named {name[:64]!r}", status=404, param="name")
+        path = self._path(name, owner)
         try:
-            self._path(name).unlink()
+            path.unlink()
         except FileNotFoundError:
+            if owner is not None and self._path(name).exists():
+                raise VoiceError(f"{name!r} is a shared voice; only the operator changes "
+                                 "it", status=403, param="name", api_code="shared_voice") from None
             raise VoiceError(f"no voice named {name!r}", status=404, param="name") from None
         with self._lock:
-            self._cache.pop(name, None)
+            self._cache.pop(path, None)
 
     # -- resolution ------------------------------------------------------------------
 
-    def apply(self, params: SynthParams) -> SynthParams:
+    def apply(self, params: SynthParams, owner: str | None = None) -> SynthParams:
         """``params`` with a registered voice name replaced by its speaker, and the voice's
         default params filling every param the request left at its protocol default
         (``seed`` unset; ``temperature`` 0.3, ``top_P`` 0.7, ``top_K`` 20, ``speed`` 5,
         ``refine`` false: a request cannot tell "not set" from "set to the default").
-        Anything else (``seed:N``, a speaker string, an unknown name) is returned as is."""
+        Anything else (``seed:N``, a speaker string, an unknown name) is returned as is.
+        ``owner``: whose voices the name may be (see :meth:`get`)."""
         name = params.voice
         if name is None or not NAME_RE.match(name):
             return params
-        voice = self.get(name)
+        voice = self.get(name, owner)
         if voice is None:
             return params
         changes: dict[str, Any] = {"voice": voice.voice}

@@ -41,6 +41,7 @@ import numpy.typing as npt
 
 from rtts.config import EngineConfig
 from rtts.core.params import SynthParams
+from rtts.core.speaker import decode_speaker
 from rtts.engines import kernels
 from rtts.engines.base import EngineInfo, EngineOutput, SynthRequest, fixed_batch
 from rtts.engines.gpt_loop import BatchedGpt, GptRow, RowSpec
@@ -231,16 +232,10 @@ class ChatTTSEngine:
             std, mean = speaker.std.float().cpu(), speaker.mean.float().cpu()
             tensor = torch.randn(speaker.dim, generator=gen) * std + mean
         else:
-            try:
-                arr = speaker._decode(voice)
-            except Exception as exc:
-                raise ValueError("voice is not a ChatTTS speaker embedding string") from exc
-            if arr.shape != (speaker.dim,):
-                raise ValueError(f"voice embedding has {arr.size} values; this model "
-                                 f"needs {speaker.dim}")
-            if not np.isfinite(arr).all():
-                raise ValueError("voice embedding has non-finite values")
-            tensor = torch.from_numpy(arr.astype(np.float32))
+            # bounded (ChatTTS's Speaker._decode inflates whatever it is given, in full):
+            # SpeakerError is a ValueError with the reason
+            arr = decode_speaker(voice, dim=int(speaker.dim))
+            tensor = torch.from_numpy(arr)
         with self._voice_lock:
             self._voices[voice] = tensor
             while len(self._voices) > 256:

@@ -225,6 +225,8 @@ class PiperEngine:
     def _details(self) -> dict[str, Any]:
         """For ``/v1/info``: the models, their native rates and speakers."""
         return {"voices": [{"name": m.name, "voice": VOICE_PREFIX + m.name,
-                            "model": str(m.path), "model_sample_rate": m.sample_rate,
+                            # the file's name: /v1/info needs no key, the path is
+                            # the server's business
+                            "model": m.path.name, "model_sample_rate": m.sample_rate,
                             "speakers": m.speakers} for m in self.models.values()],
                 "workers": self.workers, "threads": self.threads}

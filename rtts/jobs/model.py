@@ -51,6 +51,12 @@ class JobsConfig:
     max_attempts: int = 3  # engine failures of one segment before the job fails
     prefix: str = "rtts:jobs"  # Redis key prefix (stream, group, records)
     ttl_s: int = 7 * 86400  # job records expire this long after their last change
+    max_chapters: int = 1000  # chapter marks of one job (counted before they are parsed)
+    # per key (job owner; without keys, everyone is one): unfinished jobs, the characters
+    # of their text, and bytes of stored audio (of every job the key still holds)
+    max_jobs_per_key: int = 4
+    max_queued_chars_per_key: int = 20_000_000
+    max_audio_bytes_per_key: int = 4 * 2**30
 
 
 class JobState(StrEnum):
@@ -75,11 +81,17 @@ class Chapter:
     first_segment: int = 0
 
 
-def parse_chapters(raw: Iterable[object]) -> list[Chapter]:
-    """Chapter marks from a request: offsets (ints) or ``{"start": int, "title": str}``.
-    Raises ValueError for anything else; sorted, duplicates and offset 0 merged."""
+MAX_TITLE_CHARS: Final = 200
+
+
+def parse_chapters(raw: Iterable[object], limit: int | None = None) -> list[Chapter]:
+    """Chapter marks from a request: offsets (ints) or ``{"start": int, "title": str}``
+    (titles of at most :data:`MAX_TITLE_CHARS`). Raises ValueError for anything else, or
+    for more than ``limit`` marks; sorted, duplicates and offset 0 merged."""
     marks: dict[int, str] = {}
-    for item in raw:
+    for n, item in enumerate(raw):
+        if limit is not None and n >= limit:
+            raise ValueError(f"at most {limit} chapter marks")
         if isinstance(item, bool):
             raise ValueError("chapter marks are character offsets")
         if isinstance(item, int):
@@ -91,6 +103,8 @@ def parse_chapters(raw: Iterable[object]) -> list[Chapter]:
             raise ValueError("chapter marks are offsets or {\"start\": offset, \"title\": ...}")
         if start < 0:
             raise ValueError("chapter offsets must be >= 0")
+        if len(title) > MAX_TITLE_CHARS:
+            raise ValueError(f"chapter titles have at most {MAX_TITLE_CHARS} characters")
         marks[start] = title or marks.get(start, "")
     marks.setdefault(0, marks.get(0, ""))
     return [Chapter(i, start, title) for i, (start, title) in enumerate(sorted(marks.items()))]

@@ -10,9 +10,22 @@ after the segment's audio is stored; an entry left unacknowledged for ``claim_id
 ``XAUTOCLAIM``. A living worker keeps its entries by re-claiming them (``XCLAIM`` ...
 ``JUSTID``) every third of that time, which resets their idle time.
 
+**Fair between keys.** Each key (job owner) has its own stream; workers read every
+stream with queued work in one ``XREADGROUP``, a few entries from each, so one key's
+14,000-segment job cannot keep another key's one sentence waiting: the keys' segments
+are taken round-robin.
+
+**Per-key bounds.** A key holds at most ``max_jobs_per_key`` unfinished jobs, at most
+``max_queued_chars_per_key`` of their text, and at most ``max_audio_bytes_per_key`` of
+stored audio (a job that would write past it fails with the reason); a record that
+expired takes its audio with it (:meth:`JobStore.collect`, run by workers).
+
 Keys (``P`` = ``JobsConfig.prefix``)::
 
-    P:queue              stream of {job, seg}; group "workers"
+    P:queue              stream of {job, seg} of jobs from before per-key streams
+    P:queue:OWNER        stream of {job, seg} of one key's jobs; group "workers"
+    P:queues             set of the streams that may hold entries
+    P:owner:OWNER        hash: job -> bytes of stored audio (the key's jobs)
     P:job:ID             hash: owner state format sample_rate params chars total done samples
                          chapters created started finished error
     P:job:ID:segs        list of segment texts (as written; normalized by the worker)
@@ -50,12 +63,22 @@ logger = logging.getLogger("rtts.jobs.store")
 _COMPLETE = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if state == false or state == 'cancelled' or state == 'failed' then return -1 end
+if redis.call('GETBIT', KEYS[2], ARGV[1]) == 0 and tonumber(ARGV[8]) >= 0 then
+  local held = 0
+  for _, v in ipairs(redis.call('HVALS', KEYS[5])) do held = held + tonumber(v) end
+  if held + tonumber(ARGV[6]) > tonumber(ARGV[8]) then return -2 end
+end
 local old = redis.call('SETBIT', KEYS[2], ARGV[1], 1)
 redis.call('RPUSH', KEYS[4], ARGV[1] .. ' ' .. ARGV[3])
 for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
 if old == 1 then return 0 end
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'samples', ARGV[2])
+redis.call('HINCRBY', KEYS[1], 'bytes', ARGV[6])
+if redis.call('HEXISTS', KEYS[5], ARGV[7]) == 1 then
+  redis.call('HINCRBY', KEYS[5], ARGV[7], ARGV[6])
+  redis.call('EXPIRE', KEYS[5], ARGV[5])
+end
 local done = redis.call('HINCRBY', KEYS[1], 'done', 1)
 if done >= tonumber(redis.call('HGET', KEYS[1], 'total')) then
   redis.call('HSET', KEYS[1], 'state', 'done', 'finished', ARGV[4])
@@ -78,9 +101,15 @@ def segment_ext(fmt: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class QueueEntry:
-    id: str
+    id: str  # the entry's id in its stream
     job: str
     seg: int
+    stream: str = ""  # the owner's stream it came from
+
+    @property
+    def key(self) -> str:
+        """Unique among every stream's entries (ids are unique only within a stream)."""
+        return f"{self.stream} {self.id}"
 
 
 @dataclass(frozen=True)
@@ -125,16 +154,24 @@ class JobStore:
         self.config = config
         self.dir = Path(config.dir)
         self.redis: Any = aioredis.Redis.from_url(config.redis_url)
-        self.queue = f"{config.prefix}:queue"
+        self.queue = f"{config.prefix}:queue"  # (jobs queued before per-key streams)
+        self.queues = f"{config.prefix}:queues"
         self.group = "workers"
         self._complete = self.redis.register_script(_COMPLETE)
         self._start = self.redis.register_script(_START)
+        self._forget_empty = self.redis.register_script(_FORGET_EMPTY)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
 
     def key(self, job: str, part: str = "") -> str:
         return f"{self.config.prefix}:job:{job}" + (f":{part}" if part else "")
+
+    def queue_of(self, owner: str) -> str:
+        return f"{self.config.prefix}:queue:{owner}"
+
+    def owner_key(self, owner: str) -> str:
+        return f"{self.config.prefix}:owner:{owner}"
 
     def segment_path(self, job: str, seg: int, fmt: str) -> Path:
         return self.dir / job / f"{seg:07d}.{segment_ext(fmt)}"
@@ -148,15 +185,19 @@ class JobStore:
         await self.redis.hset(key, mapping={
             "owner": owner, "state": "uploading", "format": fmt, "sample_rate": sample_rate,
             "params": orjson.dumps(params), "chars": 0, "total": 0, "done": 0, "samples": 0,
-            "created": time.time(), "chapters": b"[]", "error": ""})
+            "created": time.time(), "chapters": b"[]", "error": "", "bytes": 0})
         await self.redis.expire(key, self.config.ttl_s)
+        await self.redis.hset(self.owner_key(owner), job, 0)
+        await self.redis.expire(self.owner_key(owner), self.config.ttl_s)
 
     async def add_segments(self, job: str, texts: Sequence[str]) -> None:
         if texts:
             await self.redis.rpush(self.key(job, "segs"), *texts)
 
-    async def commit(self, job: str, total: int, chars: int, chapters: list[Chapter]) -> None:
-        """The upload is complete: queue one stream entry per segment."""
+    async def commit(self, job: str, total: int, chars: int, chapters: list[Chapter],
+                     owner: str = "") -> None:
+        """The upload is complete: queue one stream entry per segment, on the owner's
+        stream."""
         ttl = self.config.ttl_s
         table = [[c.start, c.title, c.first_segment] for c in chapters]
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -164,14 +205,19 @@ class JobStore:
                                               "chars": chars, "chapters": orjson.dumps(table)})
             pipe.expire(self.key(job, "segs"), ttl)
             await pipe.execute()
+        queue = self.queue_of(owner or "_")
+        await self._ensure_group(queue)
         for first in range(0, total, 1000):
-            async with self.redis.pipeline(transaction=False) as pipe:
+            async with self.redis.pipeline(transaction=True) as pipe:
                 for seg in range(first, min(total, first + 1000)):
-                    pipe.xadd(self.queue, {"job": job, "seg": seg})
+                    pipe.xadd(queue, {"job": job, "seg": seg})
+                pipe.sadd(self.queues, queue)  # (after the entries: see _FORGET_EMPTY)
                 await pipe.execute()
 
-    async def discard(self, job: str) -> None:
+    async def discard(self, job: str, owner: str = "") -> None:
         """Forget a job whose upload failed."""
+        if owner:
+            await self.redis.hdel(self.owner_key(owner), job)
         await self.redis.delete(*(self.key(job, p) for p in ("", "segs", "bits", "seglen",
                                                              "log", "attempts")))
 
@@ -236,11 +282,16 @@ class JobStore:
             pipe.delete(self.key(job, "segs"))
             await pipe.execute()
         await asyncio.to_thread(shutil.rmtree, self.dir / job, True)
+        owner = _s(await self.redis.hget(self.key(job), "owner"))
+        if owner and await self.redis.hexists(self.owner_key(owner), job):
+            await self.redis.hset(self.owner_key(owner), job, 0)
         return True
 
-    async def delete(self, job: str) -> None:
+    async def delete(self, job: str, owner: str = "") -> None:
         """Forget a finished job and delete its audio."""
         await asyncio.to_thread(shutil.rmtree, self.dir / job, True)
+        if owner:
+            await self.redis.hdel(self.owner_key(owner), job)
         await self.redis.delete(*(self.key(job, p) for p in ("", "segs", "bits", "seglen",
                                                              "log", "attempts")))
 
@@ -262,7 +313,9 @@ class JobStore:
                             consumer: str) -> int:
         """Write a segment's audio (atomically: temp file, rename), then count it.
         Returns 1 if newly stored, 0 if it was stored already, -1 if the job is gone or
-        cancelled (the file is removed again)."""
+        cancelled, -2 if the owner's stored audio would pass ``max_audio_bytes_per_key``
+        (the file is removed again; checked in the same script as the count, so workers
+        storing at once cannot pass it together)."""
         path = self.segment_path(job, seg, fmt)
         try:
             await asyncio.to_thread(_write_atomic, path, data, consumer)
@@ -273,10 +326,13 @@ class JobStore:
             if state in (JobState.CANCELLED, ""):
                 return -1
             raise
+        owner = _s(await self.redis.hget(self.key(job), "owner"))
         keys = [self.key(job), self.key(job, "bits"), self.key(job, "seglen"),
-                self.key(job, "log")]
+                self.key(job, "log"), self.owner_key(owner or "_")]
         result = int(await self._complete(
-            keys=keys, args=[seg, samples, consumer, time.time(), self.config.ttl_s]))
+            keys=keys, args=[seg, samples, consumer, time.time(), self.config.ttl_s,
+                             len(data), job,
+                             self.config.max_audio_bytes_per_key if owner else -1]))
         if result < 0:
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -287,48 +343,175 @@ class JobStore:
     # -- the queue (workers) -----------------------------------------------------------
 
     async def ensure_group(self) -> None:
+        """The group on the streams from before per-key streams (if any entries are
+        left there, they are read like any key's)."""
+        await self._ensure_group(self.queue)
+        await self.redis.sadd(self.queues, self.queue)
+
+    async def _ensure_group(self, queue: str) -> None:
         from redis.exceptions import ResponseError
 
         try:
-            await self.redis.xgroup_create(self.queue, self.group, id="0", mkstream=True)
+            await self.redis.xgroup_create(queue, self.group, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    async def streams(self) -> list[str]:
+        return sorted(m.decode() for m in await self.redis.smembers(self.queues))
+
     @staticmethod
-    def _entries(raw: Sequence[Any]) -> list[QueueEntry]:
+    def _entries(stream: str, raw: Sequence[Any]) -> list[QueueEntry]:
         out = []
         for entry_id, fields in raw:
             if not fields:
                 continue
             out.append(QueueEntry(entry_id.decode(), fields[b"job"].decode(),
-                                  int(fields[b"seg"])))
+                                  int(fields[b"seg"]), stream))
         return out
 
     async def claim_stale(self, consumer: str, count: int) -> list[QueueEntry]:
         """Entries another consumer left unacknowledged for ``claim_idle_s`` (it died)."""
+        from redis.exceptions import ResponseError
+
         idle_ms = int(self.config.claim_idle_s * 1000)
-        result = await self.redis.xautoclaim(self.queue, self.group, consumer, idle_ms,
-                                             start_id="0-0", count=count)
-        return self._entries(result[1])
+        out: list[QueueEntry] = []
+        for stream in await self.streams():
+            if len(out) >= count:
+                break
+            try:
+                result = await self.redis.xautoclaim(stream, self.group, consumer, idle_ms,
+                                                     start_id="0-0", count=count - len(out))
+            except ResponseError:  # NOGROUP: the stream went away meanwhile
+                continue
+            out += self._entries(stream, result[1])
+        return out
 
     async def read(self, consumer: str, count: int, block_ms: int) -> list[QueueEntry]:
-        """New entries for this consumer (waits up to ``block_ms``)."""
-        result = await self.redis.xreadgroup(self.group, consumer, {self.queue: ">"},
-                                             count=count, block=block_ms)
-        return self._entries(result[0][1]) if result else []
+        """New entries for this consumer (waits up to ``block_ms``): a share of ``count``
+        from every key's stream, so the keys take turns (one entry each when there are
+        more keys with work than ``count``)."""
+        from redis.exceptions import ResponseError
 
-    async def keep(self, consumer: str, ids: Sequence[str]) -> None:
+        streams = await self.streams()
+        if not streams:
+            await asyncio.sleep(block_ms / 1000)
+            return []
+        share = max(1, count // len(streams))
+        try:
+            result = await self.redis.xreadgroup(self.group, consumer,
+                                                 dict.fromkeys(streams, ">"),
+                                                 count=share, block=block_ms)
+        except ResponseError as exc:  # a stream lost its group: make it again
+            logger.warning("job queue: %s", exc)
+            for stream in streams:
+                await self._ensure_group(stream)
+            return []
+        out: list[QueueEntry] = []
+        got = set()
+        for stream, raw in result or []:
+            name = stream.decode() if isinstance(stream, bytes) else str(stream)
+            got.add(name)
+            out += self._entries(name, raw)
+        for stream in streams:  # nothing left in it: forget it (atomically, see the script)
+            if stream not in got and stream != self.queue:
+                await self._forget_empty(keys=[stream, self.queues])
+        return out
+
+    async def keep(self, consumer: str, entries: Sequence[QueueEntry]) -> None:
         """Reset the idle time of entries this consumer is still working on."""
-        if ids:
-            await self.redis.xclaim(self.queue, self.group, consumer, 0, list(ids),
-                                    justid=True)
+        by_stream: dict[str, list[str]] = {}
+        for e in entries:
+            by_stream.setdefault(e.stream or self.queue, []).append(e.id)
+        for stream, ids in by_stream.items():
+            await self.redis.xclaim(stream, self.group, consumer, 0, ids, justid=True)
 
-    async def ack(self, entry_id: str) -> None:
+    async def ack(self, entry: QueueEntry) -> None:
+        stream = entry.stream or self.queue
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xack(self.queue, self.group, entry_id)
-            pipe.xdel(self.queue, entry_id)
+            pipe.xack(stream, self.group, entry.id)
+            pipe.xdel(stream, entry.id)
             await pipe.execute()
+
+    async def drop_entries(self, entry: QueueEntry) -> int:
+        """Acknowledge and delete the entries of ``entry``'s job that follow it in its
+        stream (a cancelled or failed job's: ~700,000 dead entries took minutes to drain
+        one by one). A job's entries are added together, so this stops at the first batch
+        with none of them. Returns how many were dropped."""
+        stream = entry.stream or self.queue
+        start, dropped = entry.id, 0
+        while True:
+            rows = await self.redis.xrange(stream, min=f"({start}", count=1000)
+            if not rows:
+                return dropped
+            ids = [rid for rid, fields in rows if fields.get(b"job", b"").decode() == entry.job]
+            if ids:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.xack(stream, self.group, *ids)
+                    pipe.xdel(stream, *ids)
+                    await pipe.execute()
+                dropped += len(ids)
+            if not ids:
+                return dropped
+            start = rows[-1][0].decode()
+
+    # -- per-key bounds and collection -------------------------------------------------
+
+    async def holdings(self, owner: str) -> tuple[int, int, int]:
+        """(unfinished jobs, bytes of their text, bytes of stored audio) of ``owner``'s
+        jobs; forgets the jobs whose records expired (their audio is collected)."""
+        jobs = await self.redis.hgetall(self.owner_key(owner))
+        if not jobs:
+            return 0, 0, 0
+        names = [j.decode() for j in jobs]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job in names:
+                pipe.hmget(self.key(job), "state", "chars")
+            rows = await pipe.execute()
+        unfinished = text = audio = 0
+        gone = []
+        for job, (state, chars) in zip(names, rows, strict=True):
+            if state is None:
+                gone.append(job)
+                continue
+            audio += int(jobs[job.encode()] or 0)
+            if _s(state) not in (JobState.DONE, JobState.FAILED, JobState.CANCELLED):
+                unfinished += 1
+                text += int(chars or 0)
+        if gone:
+            await self.redis.hdel(self.owner_key(owner), *gone)
+            for job in gone:
+                await asyncio.to_thread(shutil.rmtree, self.dir / job, True)
+        return unfinished, text, audio
+
+    async def collect(self) -> int:
+        """Delete the audio of jobs whose records expired (or were never committed and
+        are gone): every directory under ``dir`` with no record. Returns how many."""
+        try:
+            names = await asyncio.to_thread(
+                lambda: [p.name for p in self.dir.iterdir() if p.is_dir()])
+        except OSError:
+            return 0
+        removed = 0
+        for first in range(0, len(names), 500):
+            batch = names[first:first + 500]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for job in batch:
+                    pipe.exists(self.key(job))
+                found = await pipe.execute()
+            for job, exists in zip(batch, found, strict=True):
+                if not exists:
+                    await asyncio.to_thread(shutil.rmtree, self.dir / job, True)
+                    removed += 1
+        if removed:
+            logger.info("collected the audio of %d expired jobs", removed)
+        return removed
+
+
+_FORGET_EMPTY = """
+if redis.call('XLEN', KEYS[1]) == 0 then redis.call('SREM', KEYS[2], KEYS[1]) end
+return 1
+"""
 
 
 def _write_atomic(path: Path, data: bytes, consumer: str) -> None:

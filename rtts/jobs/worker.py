@@ -34,6 +34,7 @@ logger = logging.getLogger("rtts.jobs.worker")
 
 _READ_BLOCK_MS = 500
 _STOP_S = 3.0
+_COLLECT_EVERY_S = 600.0
 
 
 @dataclass
@@ -125,9 +126,9 @@ class JobWorker:
             for entry in entries:
                 if self._stopping:
                     return  # unacknowledged: taken over by another worker later
-                if entry.id in self._inflight:
+                if entry.key in self._inflight:
                     continue
-                self._inflight[entry.id] = (entry, None)
+                self._inflight[entry.key] = (entry, None)
                 task = asyncio.create_task(self._segment(entry), name="rtts-jobs-segment")
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -136,11 +137,16 @@ class JobWorker:
         """Keep our entries claimed, and stop segments of jobs cancelled meanwhile."""
         keep_every = max(0.2, self.store.config.claim_idle_s / 3)
         last_keep = 0.0
+        last_collect = time.monotonic() - _COLLECT_EVERY_S + 5.0  # first soon after start
         while True:
             await asyncio.sleep(min(0.5, keep_every))
             try:
+                if time.monotonic() - last_collect >= _COLLECT_EVERY_S:
+                    last_collect = time.monotonic()
+                    await self.store.collect()  # audio of expired jobs
                 if time.monotonic() - last_keep >= keep_every:
-                    await self.store.keep(self.consumer, list(self._inflight))
+                    await self.store.keep(self.consumer,
+                                          [e for e, _ in self._inflight.values()])
                     last_keep = time.monotonic()
                 for job in {e.job for e, ctx in self._inflight.values() if ctx is not None}:
                     if await self.store.state(job) != JobState.RUNNING:
@@ -165,7 +171,7 @@ class JobWorker:
             await asyncio.sleep(1.0)
         finally:
             self.stats.busy -= 1
-            self._inflight.pop(entry.id, None)
+            self._inflight.pop(entry.key, None)
             self._slot_free.set()
 
     async def _process(self, entry: QueueEntry) -> None:
@@ -174,11 +180,14 @@ class JobWorker:
         if record is None or record.final or record.state == "uploading" \
                 or await store.is_stored(entry.job, entry.seg):
             self.stats.skipped += record is None or record.final
-            await store.ack(entry.id)
+            await store.ack(entry)
+            if record is None or record.state in (JobState.CANCELLED, JobState.FAILED):
+                # the job's other entries are dead too: drop them now, not one by one
+                self.stats.skipped += await store.drop_entries(entry)
             return
         text = await store.segment_text(entry.job, entry.seg)
         if text is None:
-            await store.ack(entry.id)
+            await store.ack(entry)
             return
         await store.mark_started(entry.job)
         while True:
@@ -187,7 +196,7 @@ class JobWorker:
                 break
             if result is None:  # the job was cancelled meanwhile
                 self.stats.skipped += 1
-                await store.ack(entry.id)
+                await store.ack(entry)
                 return
             if isinstance(result, Preempted):
                 self.stats.preempted += 1
@@ -201,17 +210,21 @@ class JobWorker:
                            entry.job, attempts, result.message)
             if attempts >= store.config.max_attempts:
                 await store.fail(entry.job, f"segment {entry.seg} failed: {result.message}")
-                await store.ack(entry.id)
+                await store.ack(entry)
                 return
         data, samples = result
         stored = await store.store_segment(entry.job, entry.seg, record.format, data, samples,
                                            self.consumer)
-        if stored == 1:
+        if stored == -2:
+            cap = store.config.max_audio_bytes_per_key
+            await store.fail(entry.job, f"the key's stored audio would pass {cap} bytes "
+                             "(max_audio_bytes_per_key); delete finished jobs first")
+        elif stored == 1:
             self.stats.segments += 1
             self.stats.audio_s += samples / record.sample_rate
         elif stored == 0:
             self.stats.repeats += 1
-        await store.ack(entry.id)
+        await store.ack(entry)
 
     async def _synthesize(self, entry: QueueEntry, record: JobRecord, text: str
                           ) -> tuple[bytes, int] | RttsError | None:
@@ -220,7 +233,7 @@ class JobWorker:
         fmt = "pcm16" if record.format == "wav" else record.format
         params = SynthParams(**_params(record.params))
         ctx = self.service.open_context(params, lookahead=1, use_cache=False, background=True)
-        self._inflight[entry.id] = (entry, ctx)
+        self._inflight[entry.key] = (entry, ctx)
         encoder = open_encoder(fmt, self.service.sample_rate, record.sample_rate,
                                part=True)
         parts: list[bytes] = []
@@ -236,7 +249,7 @@ class JobWorker:
                     error = event.error
         finally:
             await events.aclose()
-            self._inflight[entry.id] = (entry, None)
+            self._inflight[entry.key] = (entry, None)
         if error is not None:
             return error
         if not ctx.finished:

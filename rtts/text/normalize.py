@@ -25,7 +25,9 @@ Pure: no I/O, no state outside :class:`SpokenText`.
 from __future__ import annotations
 
 import contextvars
+import functools
 import re
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Literal
@@ -61,6 +63,12 @@ def _note(lib: str) -> None:
 
 def _n2w(value: int | Decimal, to: str = "cardinal") -> str:
     _note("num2words")
+    return _n2w_cached(value, to)
+
+
+@functools.lru_cache(maxsize=4096)
+def _n2w_cached(value: int | Decimal, to: str) -> str:
+    # (num2words costs ~10 us a call: "3-5 3-5 ..." repeats the same few numbers)
     words: str = num2words(value, to=to)
     # "twenty-one", "one thousand, two hundred": ChatTTS turns "-" into a pause
     return words.replace("-", " ").replace(",", "")
@@ -68,6 +76,11 @@ def _n2w(value: int | Decimal, to: str = "cardinal") -> str:
 
 def _an2cn(digits: str) -> str:
     _note("cn2an")
+    return _an2cn_cached(digits)
+
+
+@functools.lru_cache(maxsize=4096)
+def _an2cn_cached(digits: str) -> str:
     words: str = cn2an.an2cn(digits, "low")
     return words
 
@@ -338,42 +351,79 @@ def last_script(text: str) -> Lang | None:
     return None
 
 
+_LETTER = re.compile(r"[A-Za-z\u3400-\u4dbf\u4e00-\u9fff]")
+_CJK_LETTER = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff]")
+_WORD_START = re.compile(r"(?<![A-Za-z])[A-Za-z]")
+_SEPARATOR = re.compile("[" + re.escape("".join(sorted(_SEPARATORS))) + "]"
+                        r"|\.(?=\s|[" + re.escape("".join(sorted(_CLOSERS))) + r"]|\Z)")
+
+
+def _count(positions: list[int], lo: int, hi: int) -> int:
+    """How many of the sorted ``positions`` lie in ``[lo, hi)``."""
+    return max(0, bisect_left(positions, hi) - bisect_left(positions, lo)) if hi > lo else 0
+
+
 class _Pass:
-    """One normalization pass over one text: the match callbacks and their context."""
+    """One normalization pass over one text: the match callbacks and their context.
+
+    Every question a match asks about its surroundings (the nearest letter, the clause
+    around it) is answered from sorted position lists made once per pass, by bisection:
+    the cost of a pass is linear in its text, whatever the text (a scan per match made
+    ``"3-5 " * 1000`` quadratic).
+    """
 
     def __init__(self, text: str, lang_hint: Lang | None) -> None:
         self.text = text = text.translate(_FULLWIDTH)
-        self.masked = _TAG.sub(lambda m: " " * len(m.group()), text)
+        self.masked = masked = _TAG.sub(lambda m: " " * len(m.group()), text)
         self.hint = lang_hint
+        self._letters = [m.start() for m in _LETTER.finditer(masked)]
+        self._cjk = [m.start() for m in _CJK_LETTER.finditer(masked)]
+        self._word_starts = [m.start() for m in _WORD_START.finditer(masked)]
+        self._seps = [m.start() for m in _SEPARATOR.finditer(masked)]
 
     # -- language ---------------------------------------------------------------------------
 
     def _scan(self, i: int, step: int) -> Lang | None:
-        masked = self.masked
-        while 0 <= i < len(masked):
-            if (s := _script(masked[i])) is not None:
-                return s
-            if _is_separator(masked, i):
+        """Script of the nearest letter from ``i`` on in direction ``step``, unless a
+        clause separator comes first."""
+        masked, letters, seps = self.masked, self._letters, self._seps
+        if not 0 <= i < len(masked):
+            return None
+        if step < 0:
+            k = bisect_right(letters, i) - 1
+            if k < 0:
                 return None
-            i += step
-        return None
+            j = bisect_right(seps, i) - 1
+            letter = letters[k]
+            return _script(masked[letter]) if j < 0 or seps[j] < letter else None
+        k = bisect_left(letters, i)
+        if k >= len(letters):
+            return None
+        j = bisect_left(seps, i)
+        letter = letters[k]
+        return _script(masked[letter]) if j >= len(seps) or seps[j] > letter else None
 
     def _before(self, start: int) -> Lang:
-        for ch in reversed(self.masked[:start]):
-            if (s := _script(ch)) is not None:
+        k = bisect_left(self._letters, start) - 1
+        if k >= 0:
+            s = _script(self.masked[self._letters[k]])
+            if s is not None:
                 return s
         return self.hint or "en"
 
     def _clause_majority(self, start: int, end: int) -> Lang | None:
         """zh if the clause around [start, end) has more CJK characters than Latin words."""
-        masked, lo, hi = self.masked, start, end
-        while lo > 0 and not _is_separator(masked, lo - 1):
-            lo -= 1
-        while hi < len(masked) and not _is_separator(masked, hi - 1):
-            hi += 1  # (stops after a separator, also one that ends the match)
-        around = masked[lo:start] + " " + masked[end:hi]
-        cjk = sum(1 for ch in around if _script(ch) == "zh")
-        words = len(re.findall(r"[A-Za-z]+", around))
+        masked, seps = self.masked, self._seps
+        n = len(masked)
+        j = bisect_right(seps, start - 1) - 1  # the last separator before the match
+        lo = seps[j] + 1 if j >= 0 else 0
+        k = bisect_left(seps, end - 1)  # the first one from the match's last character on
+        hi = min(seps[k] + 1, n) if k < len(seps) else n
+        hi = max(hi, end)
+        cjk = _count(self._cjk, lo, start) + _count(self._cjk, end, hi)
+        words = _count(self._word_starts, lo, start) + _count(self._word_starts, end + 1, hi)
+        if end < hi and masked[end].isascii() and masked[end].isalpha():
+            words += 1  # a word cut by the match's end still counts from there
         if not cjk and not words:
             return None
         return "zh" if cjk > words else "en"
@@ -423,6 +473,28 @@ class _Pass:
     def _after(self, m: re.Match[str]) -> str:
         return self.text[m.end():m.end() + 2].lstrip(" \t")
 
+    def _tail(self, end: int, keep: int) -> str:
+        """``text[:end]`` cut to its last ``keep`` characters before its trailing blanks
+        (and one newline): enough for a ``word[ \\t]*$`` search, at a cost independent of
+        the text before it."""
+        text, q = self.text, end
+        if q > 0 and text[q - 1] == "\n":
+            q -= 1
+        while q > 0 and text[q - 1] in " \t":
+            q -= 1
+        return text[max(0, q - keep):end]
+
+    def _last_words(self, end: int) -> list[str]:
+        """``re.split(r"[ \\t]+", text[:end].rstrip(" \\t"))``, but only its last three
+        words are complete (all a caller looks at), from a window grown as needed."""
+        width = 64
+        while True:
+            lo = max(0, end - width)
+            words = _BLANKS.split(self.text[lo:end].rstrip(" \t"))
+            if lo == 0 or len(words) >= 4:
+                return words
+            width *= 4
+
     # -- handlers ---------------------------------------------------------------------------
 
     def _tag(self, m: re.Match[str], lang: Lang) -> str:
@@ -435,7 +507,7 @@ class _Pass:
 
     def _ver(self, m: re.Match[str], lang: Lang) -> str:
         parts = m.group("ver_n").split(".")
-        said = re.search(r"(?:version|版本)[ \t]*$", self.text[:m.start()], re.IGNORECASE)
+        said = _VERSION_SAID.search(self._tail(m.start(), 7))
         if lang == "zh":
             return ("" if said else "版本") + "点".join(_zh_number(p) for p in parts)
         return ("" if said else "version ") + " point ".join(_en_number(p) for p in parts)
@@ -640,7 +712,8 @@ class _Pass:
         if lang == "zh":
             amount = "两" if num == "2" and unit not in ("°", "°C", "℃", "°F", "℉") else (
                 _zh_number(num))
-            sign = "" if self.text[:m.start()].endswith("零下") else "零下" if "度" in zh else "负"
+            below = self.text.endswith("零下", 0, m.start())
+            sign = "" if below else "零下" if "度" in zh else "负"
             return (sign if neg else "") + amount + zh
         return ("minus " if neg else "") + _en_number(num) + " " + (
             one if _plain(num) == "1" else many)
@@ -660,12 +733,12 @@ class _Pass:
         if lang == "zh":
             after = self.text[m.end():m.end() + 2]
             if (num == "2" and not neg and after.startswith(_LIANG_NEXT)
-                    and not self.text[:m.start()].endswith("第")):
+                    and not self.text.endswith("第", 0, m.start())):
                 return "两"
             return ("负" if neg else "") + _zh_number(num)
         if not neg and _year_like(num):
             # words before it on the same line (a newline may be a chunk boundary)
-            words = re.split(r"[ \t]+", self.text[:m.start()].rstrip(" \t"))
+            words = self._last_words(m.start())
             if words and (words[-1].lower().strip("(") in _YEAR_WORDS or (
                     words[-1] in ("to", "and", "until", "through") and len(words) > 1
                     and _year_like(words[-2]) and words[-3:-2] != ["and"])):
@@ -693,11 +766,15 @@ class _Pass:
         return " "
 
 
+_VERSION_SAID = re.compile(r"(?:version|版本)[ \t]*$", re.IGNORECASE)
+_BLANKS = re.compile(r"[ \t]+")
 _SPACES = re.compile(r"[ \t]{2,}")
+# (each starts only where its run starts: "，" * 20000 with no "。" after it is tried once,
+# not 20,000 times)
 _CJK_SPACE = re.compile(r"(?<=[\u3400-\u9fff，。、])[ \t]+(?=[\u3400-\u9fff，。、])"
-                        r"|[ \t]+(?=[，。、])")
-_SPACE_BEFORE_MARK = re.compile(r"[ \t]+(?=[,.])")
-_COMMA_THEN_STOP = re.compile(r"[，,、]+(?=[。.])")
+                        r"|(?<![ \t])[ \t]+(?=[，。、])")
+_SPACE_BEFORE_MARK = re.compile(r"(?<![ \t])[ \t]+(?=[,.])")
+_COMMA_THEN_STOP = re.compile(r"(?<![，,、])[，,、]+(?=[。.])")
 _STOP_THEN_COMMA = re.compile(r"(?<=[。.])[ \t]*[，,、]+")
 _COMMAS = re.compile(r"([，,、])(?:[ \t]*[，,、])+")
 _LEADING_COMMA = re.compile(r"^[ \t]*[，,、][ \t]*")

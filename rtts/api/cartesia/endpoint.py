@@ -459,7 +459,7 @@ class CartesiaEndpoints:
         service = self.service
         requests: list[Generation] = []
 
-        async def parse() -> SpeechRequest:
+        async def parse(owner: str | None) -> SpeechRequest:  # (shared voices only yet)
             raw = await read_body(request, service.config.max_message_bytes)
             try:
                 body = orjson.loads(raw)

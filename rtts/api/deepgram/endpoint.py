@@ -399,7 +399,7 @@ class DeepgramEndpoints:
         options: list[SpeakOptions] = []
         texts: list[str] = []
 
-        async def parse() -> SpeechRequest:
+        async def parse(owner: str | None) -> SpeechRequest:  # (shared voices only yet)
             opts = parse_options(dict(request.query_params), http=True)
             raw = await read_body(request, service.config.max_message_bytes)
             try:

@@ -9,23 +9,26 @@ people already run (the ``openai`` SDK, Open WebUI, pipecat) show the server's m
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any, Final
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Message, Send
 
 from rtts.api.auth import Authenticator, AuthError
 from rtts.core.params import SpeechOptions, parse_options
 from rtts.core.service import Service, State
 from rtts.errors import ProtocolError, RttsError
 
-__all__ = ["ApiError", "api_error_response", "auth_api_error", "authorize", "authorize_listing",
-           "b64",
-           "check_ready", "number_param", "read_body", "speech_options", "sse"]
+__all__ = ["ApiError", "DeadlineStreamingResponse", "api_error_response", "auth_api_error",
+           "authorize", "authorize_listing", "b64", "check_ready", "number_param", "read_body",
+           "speech_options", "sse"]
 
 
 class ApiError(RttsError):
@@ -89,12 +92,13 @@ def authorize(auth: Authenticator, service: Service, request: Request, *,
 
 
 def authorize_listing(auth: Authenticator, service: Service, request: Request, *,
-                      key: str | None = None) -> None:
+                      key: str | None = None) -> str | None:
     """The check of a model or voice *name* list: none with auth off; with keys, a key (or
     token), unless ``--public-listing`` is on and the request presents no credentials at
-    all (the origin is still checked). A presented key is always verified."""
+    all (the origin is still checked). A presented key is always verified. Returns the
+    key id when one was presented (whose own voices a listing includes), else None."""
     if not auth.enabled:
-        return
+        return None
     presented = (key or request.headers.get("authorization")
                  or request.query_params.get("token"))
     if auth.config.public_listing and not presented:
@@ -103,8 +107,8 @@ def authorize_listing(auth: Authenticator, service: Service, request: Request, *
         except AuthError as exc:
             service.stats.auth_rejected_by[exc.kind] += 1
             raise auth_api_error(exc) from None
-        return
-    authorize(auth, service, request, admit=False, key=key)
+        return None
+    return authorize(auth, service, request, admit=False, key=key)
 
 
 def auth_api_error(exc: AuthError) -> ApiError:
@@ -186,3 +190,32 @@ def sse(event: dict[str, Any]) -> bytes:
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
+
+
+_log = logging.getLogger("rtts.api.http")
+
+
+class DeadlineStreamingResponse(StreamingResponse):
+    """A streamed body with a write deadline: a client that stops reading (the send waits
+    on flow control) for ``write_timeout_s`` gets the connection closed, and the body's
+    ``background`` task still runs, so what the body holds (the key's session, the
+    context) is released. Without it, a never-read body was held forever."""
+
+    def __init__(self, *args: Any, write_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.write_timeout_s = write_timeout_s
+
+    async def stream_response(self, send: Send) -> None:
+        async def send_by_deadline(message: Message) -> None:
+            async with asyncio.timeout(self.write_timeout_s):
+                await send(message)
+
+        try:
+            await super().stream_response(send_by_deadline)
+        except TimeoutError:
+            # (the server closes a connection whose response did not complete)
+            _log.info("client stopped reading a response for %g s: closed",
+                      self.write_timeout_s)
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()

@@ -23,7 +23,13 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from rtts.api.auth import Authenticator
-from rtts.api.http.common import ApiError, authorize, check_ready, overloaded
+from rtts.api.http.common import (
+    ApiError,
+    DeadlineStreamingResponse,
+    authorize,
+    check_ready,
+    overloaded,
+)
 from rtts.audio.codecs import Encoder, open_encoder
 from rtts.core.context import Audio, Done, Event, SegmentFailed, SpeechContext
 from rtts.core.params import SynthParams
@@ -55,19 +61,22 @@ def segment_error(exc: RttsError) -> ApiError:
 
 
 async def speak(service: Service, auth: Authenticator, request: Request,
-                parse: Callable[[], Awaitable[SpeechRequest]], *,
+                parse: Callable[[str | None], Awaitable[SpeechRequest]], *,
                 key: str | None = None, header: bool = True) -> SpeechBody:
-    """Authorize ``request``, ``parse()`` it, and start speaking it (see the module doc).
-    Raises :class:`ApiError` (or whatever ``parse`` raises) before any audio exists."""
+    """Authorize ``request``, ``parse(owner)`` it, and start speaking it (see the module
+    doc); ``owner`` is the key's owner id, whose named voices the request may use (None:
+    the shared ones). Raises :class:`ApiError` (or whatever ``parse`` raises) before any
+    audio exists."""
     kid = authorize(auth, service, request, key=key, header=header)
     try:
-        job = await parse()
+        owner = auth.owner(kid)
+        job = await parse(owner)
         check_ready(service)
         try:
-            service.validate_params(job.params)
+            service.validate_params(job.params, owner)
         except ProtocolError as exc:
             raise ApiError(400, exc.message, code=str(exc.code)) from None
-        ctx = service.open_context(job.params, normalize=job.normalize)
+        ctx = service.open_context(job.params, owner=owner, normalize=job.normalize)
         service.stats.http_requests += 1
         ctx.feed(job.text)
         ctx.end()
@@ -153,10 +162,11 @@ class SpeechBody:
                  headers: dict[str, str] | None = None) -> StreamingResponse:
         """The streamed response: ``content`` (default: :meth:`chunks`), closed with the
         body whether it ends, fails or the client leaves."""
-        return StreamingResponse(self.chunks() if content is None else content,
-                                 media_type=media_type,
-                                 headers={"Cache-Control": "no-store", **(headers or {})},
-                                 background=BackgroundTask(self.aclose))
+        return DeadlineStreamingResponse(
+            self.chunks() if content is None else content, media_type=media_type,
+            headers={"Cache-Control": "no-store", **(headers or {})},
+            background=BackgroundTask(self.aclose),
+            write_timeout_s=self.ctx.service.config.http_write_timeout_s)
 
 
 def _nothing() -> None:

@@ -100,9 +100,10 @@ class NativeEndpoint:
     async def handle(self, ws: ServerConnection) -> None:
         async with self.admission.session(ws) as principal:
             if principal is not None:
-                await self._handle(ws)
+                owner = self.auth.owner(principal.kid) if principal.kid else None
+                await self._handle(ws, owner)
 
-    async def _handle(self, ws: ServerConnection) -> None:
+    async def _handle(self, ws: ServerConnection, owner: str | None = None) -> None:
         service = self.service
         if service.rejecting:
             self.stats.rejected += 1
@@ -112,7 +113,7 @@ class NativeEndpoint:
                                             "message": reason}).decode())
                 await ws.close(CLOSE_TRY_AGAIN_LATER, "server overloaded")
             return
-        conn = Connection(self, ws)
+        conn = Connection(self, ws, owner)
         conn.session.degraded = service.degraded
         self.connections.add(conn)
         self.stats.connections_total += 1
@@ -154,12 +155,15 @@ class _Close:
 class Connection:
     """One client: reader loop, bounded writer queue, timer, one pipeline task per context."""
 
-    def __init__(self, endpoint: NativeEndpoint, ws: ServerConnection) -> None:
+    def __init__(self, endpoint: NativeEndpoint, ws: ServerConnection,
+                 owner: str | None = None) -> None:
         app = endpoint.service
         self.app = app
+        self.owner = owner  # whose named voices this connection may use (None: shared)
         self.ws = ws
         self.cfg = app.config
-        self.session = Session(app.config.limits, session_id=secrets.token_hex(8))
+        self.session = Session(app.config.limits, session_id=secrets.token_hex(8),
+                               normalize_later=True)  # by the core context, off the loop
         self.out: asyncio.Queue[tuple[int, str | bytes | _Close, float]] = asyncio.Queue(
             maxsize=app.config.send_queue_frames)
         self.pipelines: dict[str, ContextPipeline] = {}
@@ -302,7 +306,7 @@ class Connection:
 
     def _check_start(self, msg: StartMessage) -> None:
         self.app.check_admission()
-        self.app.validate_params(msg.params)
+        self.app.validate_params(msg.params, self.owner)
 
     def _estimate_playback(self, context_id: str) -> None:
         """Before a cancel: the pacer's idea of the playback position, for a context whose
@@ -420,7 +424,8 @@ class ContextPipeline:
         self.ctx = ctx
         self.app = conn.app
         self.speech = self.app.open_context(ctx.params, lookahead=conn.cfg.lookahead_segments,
-                                            use_cache=ctx.cache)
+                                            use_cache=ctx.cache, normalize=ctx.normalize,
+                                            owner=conn.owner)
         self.chunks: dict[int, Chunk] = {}  # queued segments by index
         self.task: asyncio.Task[None] | None = None
         self.pacer = LeadPacer(conn.cfg.max_lead_s)
@@ -464,7 +469,7 @@ class ContextPipeline:
                         await asyncio.sleep(0)
                     chunk = self.chunks[event.index]
                     started = conn.session.segment_started(ctx.context_id, event.index, chunk,
-                                                           event.cached)
+                                                           event.cached, event.spoken)
                     if started is not None:
                         await conn.send(0, started.event)
                     segment = _SegmentOut(self, event.index)

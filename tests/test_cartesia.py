@@ -336,7 +336,8 @@ def _pipecat_ws(port: int, **kw: Any) -> Any:
 
 async def test_pipecat_cartesia_turns_words_interruption_and_errors() -> None:
     cfg = replace(base_config(), auth=AuthConfig(api_keys=("k",)))
-    async with server(cfg, FakeEngine(ms_per_char=10)) as (app, _):
+    # paced at real time, so the interruption lands while the reply is still being made
+    async with server(cfg, FakeEngine(ms_per_char=10, rtf=1.0)) as (app, _):
         port = bound_port(app)
         out = await asyncio.to_thread(pipecat_run, _pipecat_ws(port),
                                       [SENTENCES[0], SENTENCES[1]])

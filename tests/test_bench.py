@@ -88,3 +88,62 @@ def test_arrival_times_fixed_gap_and_poisson():
     assert poisson[0] == 0.0 and all(g > 0 for g in gaps)
     assert 0.7 < sum(gaps) / len(gaps) < 1.3  # mean gap ~ 1 s
     assert arrival_times(200, 1.0, True, 7) == poisson  # seeded
+
+
+def test_paced_player_counts_the_silence_a_listener_waits():
+    from rtts.bench.realtime import play
+
+    # arrivals (s) and durations: starts at 1.0 + 0.3 prebuffer; plays 0.5 s to 1.8;
+    # the next chunk arrives at 2.0 (0.2 s silence), plays to 2.5; the last arrived early
+    heard = play([(1.0, 0.5), (2.0, 0.5), (2.1, 0.4)], sent=0.5, prebuffer_s=0.3)
+    assert heard.ttfa_s == pytest.approx(0.5) and heard.audio_s == pytest.approx(1.4)
+    assert heard.silence_s == pytest.approx(0.2) and heard.stalls == 1
+    assert heard.silence_per_audio_s == pytest.approx(0.2 / 1.4)
+    assert heard.wall_s == pytest.approx(1.6)
+    # a stream far ahead of its player never waits
+    ahead = play([(0.0, 1.0)] + [(0.01 * i, 1.0) for i in range(1, 10)], 0.0, 0.3)
+    assert ahead.silence_s == 0.0 and ahead.stalls == 0 and ahead.audio_s == 10.0
+    assert play([], 0.0, 0.3).audio_s == 0.0
+
+
+@pytest.mark.chattts
+async def test_realtime_bench_reports_what_each_listener_heard(tiny_checkpoint: Path):
+    from rtts.bench.realtime import bench_realtime
+
+    args = build_parser().parse_args([
+        "bench", "realtime", "--model-dir", str(tiny_checkpoint), "--streams", "1,2",
+        "--dtypes", "fp32,int8", "--tokens", "16", "--stock-max-streams", "1",
+        "--bandwidth-mb", "32", "--steps", "4", "--rows", "2", "--threads", "2",
+        "--text", "One short sentence. And a second one."])
+    out = await bench_realtime(args)
+    assert out["read_bandwidth_gb_s"] > 0 and out["prebuffer_s"] == 0.3
+    assert set(out["runs"]) == {"rtts-fp32@1", "rtts-fp32@2", "rtts-int8@1", "rtts-int8@2",
+                                "stock@1"}
+    for key, [run] in out["runs"].items():
+        n = int(key.split("@")[1])
+        assert run["streams"] == n == len(run["per_stream"])
+        for s in run["per_stream"]:
+            assert 0 < s["ttfa_s"] <= s["wall_s"] and s["silence_s"] >= 0 < s["audio_s"]
+        assert run["audio_s"] == pytest.approx(sum(s["audio_s"] for s in run["per_stream"]))
+        assert run["no_silence"] == all(
+            s["silence_s"] <= args.silence_tolerance for s in run["per_stream"])
+        summary = out["summary"][key]
+        assert summary["silence_per_audio_s"] == pytest.approx(
+            run["silence_s"] / run["audio_s"])
+    # every setting produced the same audio per stream (equal work)
+    audio = {k: r[0]["per_stream"][0]["audio_s"] for k, r in out["runs"].items()}
+    assert max(audio.values()) == pytest.approx(min(audio.values()), rel=0.02)
+    for name in ("rtts-fp32", "rtts-int8"):
+        step = out["steps"][name]
+        assert set(step["rows"]) == {1, 2} and step["dtype"] == name[5:]
+        for r in step["rows"].values():
+            assert r["step_ms"] > 0 and r["linear_ms"] > 0
+            assert 0 <= r["outside_linear_share"] < 1
+        assert step["read_limit_ms"] == pytest.approx(
+            1000 * step["weight_bytes"] / (out["read_bandwidth_gb_s"] * 1e9))
+        assert step["step1_over_limit"] == pytest.approx(
+            step["rows"][1]["step_ms"] / step["read_limit_ms"])
+        table = step["kernels"]  # the bytes of the path chosen at 1 row
+        assert step["weight_bytes"] == table["bytes"][table["chosen"][1]] > 0
+    for name, best in out["realtime_streams"].items():
+        assert best in (0, 1, 2) and (best == 0 or out["summary"][f"{name}@{best}"]["no_silence"])

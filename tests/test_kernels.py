@@ -15,7 +15,7 @@ def _model(seed: int = 0):
                                torch.nn.Linear(512, 256, bias=False))
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8", "int4"])
 def test_selection_measures_every_candidate_and_records_the_fastest(dtype):
     model, ref = _model(), _model()
     table = kernels.install(model, dtype, max_rows=4, repeat=1)
@@ -33,7 +33,8 @@ def test_selection_measures_every_candidate_and_records_the_fastest(dtype):
             got, want = model(x), ref(x)
             cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
             assert got.shape == want.shape and got.dtype == torch.float32
-            assert cos > (0.99999 if dtype == "fp32" else 0.999), (dtype, rows, float(cos))
+            want_cos = {"fp32": 0.99999, "int4": 0.99}.get(dtype, 0.999)
+            assert cos > want_cos, (dtype, rows, float(cos))
 
 
 def test_forced_path_is_installed_for_every_row_count_and_frees_fp32_weights():
@@ -59,3 +60,16 @@ def test_batched_input_shapes_are_kept():
 def test_unknown_dtype_is_refused():
     with pytest.raises(ValueError):
         kernels.install(_model(), "fp8")
+
+
+def test_table_counts_the_weight_bytes_each_path_reads():
+    table = kernels.install(_model(), "int4", max_rows=1, repeat=1)
+    n = 256 * 512 * 2  # two layers of 256 x 512 weights
+    assert table.bytes["linear"] == 4 * n
+    assert table.bytes["int8bf"] == n + 2 * (512 + 256)  # int8 weights, bf16 scales
+    assert table.bytes["int4"] == n // 2 + 4 * (512 * 256 // 32 + 256 * 512 // 32)
+
+
+def test_int4_refuses_shapes_its_kernel_cannot_pack():
+    with pytest.raises(ValueError, match="int4"):
+        kernels.install(torch.nn.Sequential(torch.nn.Linear(100, 64)), "int4", force="int4")

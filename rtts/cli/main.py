@@ -103,10 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch CPU threads (default: torch's own choice)")
     s.add_argument("--max-new-token", type=int, default=EngineConfig.max_new_token,
                    help="most GPT steps per segment (47 a second of audio)")
-    s.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default=EngineConfig.dtype,
-                   help="GPT weight precision (int8: weight-only; accuracy: docs/benchmarks)")
+    s.add_argument("--dtype", choices=["fp32", "bf16", "int8", "int4"],
+                   default=EngineConfig.dtype, help="GPT weight precision (int8, int4: "
+                   "weight-only, see docs/benchmarks/cpu-realtime.md for accuracy)")
     s.add_argument("--kernels", default=EngineConfig.kernels,
-                   choices=["auto", "linear", "transposed", "bf16", "int8", "int8dyn"],
+                   choices=["auto", "linear", "transposed", "bf16", "int8", "int8bf", "int4",
+                            "int8dyn"],
                    help="GPT linear kernel: auto measures each path at load and keeps "
                         "the fastest per batch size")
     s.add_argument("--stream-tokens", type=int, default=EngineConfig.stream_tokens,
@@ -274,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rtts.bench.main import add_parser
 
     add_parser(sub)
+    from rtts.bench.realtime import add_parser as add_realtime
+
+    add_realtime(sub.choices["bench"])
     return p
 
 
@@ -557,7 +562,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "bench":
         from rtts.bench.main import run_bench
+        from rtts.bench.realtime import run
 
+        if args.bench_mode == "realtime":
+            return run(args)
         return run_bench(args)
     if args.command == "doctor":
         from rtts.cli.doctor import run_doctor

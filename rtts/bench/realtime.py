@@ -1,0 +1,331 @@
+"""``rtts bench realtime``: what a listener hears, N streams at once, beside stock ChatTTS.
+
+Each stream is one WebSocket session on the real server's native ``/v1/stream`` socket
+that sends a paragraph (``--text``) at once and reads the PCM frames back. A **paced
+player** models the listener: it starts ``--prebuffer`` seconds after the first frame
+arrives, plays continuously, and when its buffer runs dry it waits (silence) until the
+next frame arrives, then plays on. Per stream the bench reports time to first audio
+(TTFA), seconds of audio, the silence heard while waiting and the silence per second of
+audio; per setting the largest stream count at which no stream heard silence ("real-time
+streams").
+
+Settings, all in one process and run alternately (``--repeat`` times per stream count, so
+drift in machine speed hits all alike):
+
+- ``rtts-DTYPE`` for each ``--dtypes``: rtts's engine (continuous batching, early
+  windowed decode) with that GPT weight precision;
+- ``stock``: an unmodified ``Chat`` serving stock ``Chat.infer(stream=True)`` one request
+  at a time (``--stock-max-streams`` caps the counts it runs; ``0`` skips it).
+
+Every segment is forced to ``--tokens`` GPT steps, so random weights give equal work in
+every setting. The same run measures the machine's read bandwidth (one pass over a
+``--bandwidth-mb`` buffer) and, per dtype, the GPT decode step at 1 and ``--rows`` rows:
+its multiple of the weight-read limit (bytes of the GPT's linear weights as the installed
+kernels hold them, divided by the bandwidth) and the share of the step spent outside the
+linear layers (one pass of the same rows through the linear layers alone, subtracted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from websockets.asyncio.client import connect
+
+__all__ = ["PlayerResult", "add_parser", "bench_realtime", "play", "run"]
+
+# ~10 s of speech at ChatTTS's pace; with --tokens 120 its segments make ~10-12 s of audio
+PARAGRAPH = ("Good evening, and thanks for calling. Your table for four is booked for "
+             "Friday at eight. We will send a reminder the day before, and if your plans "
+             "change, just reply to that message. Is there anything else I can help with?")
+
+
+@dataclass(frozen=True)
+class PlayerResult:
+    """What one paced listener heard."""
+
+    ttfa_s: float  # request sent -> first frame
+    audio_s: float  # audio received
+    silence_s: float  # waiting for audio after playback started (prebuffer excluded)
+    stalls: int  # times the buffer ran dry
+    wall_s: float  # request sent -> last frame
+
+    @property
+    def silence_per_audio_s(self) -> float:
+        return self.silence_s / self.audio_s if self.audio_s else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"ttfa_s": self.ttfa_s, "audio_s": self.audio_s, "silence_s": self.silence_s,
+                "stalls": self.stalls, "silence_per_audio_s": self.silence_per_audio_s,
+                "wall_s": self.wall_s}
+
+
+def play(chunks: Sequence[tuple[float, float]], sent: float, prebuffer_s: float
+         ) -> PlayerResult:
+    """The paced player over ``chunks`` ((arrival time, seconds of audio), in order).
+
+    Playback starts ``prebuffer_s`` after the first arrival and runs continuously; a chunk
+    that has not arrived when the previous one finishes playing is waited for (silence)."""
+    if not chunks:
+        return PlayerResult(0.0, 0.0, 0.0, 0, 0.0)
+    clock = chunks[0][0] + prebuffer_s  # when the next chunk would start playing
+    silence, stalls = 0.0, 0
+    for arrival, seconds in chunks:
+        if arrival > clock:
+            silence += arrival - clock
+            stalls += 1
+            clock = arrival
+        clock += seconds
+    return PlayerResult(chunks[0][0] - sent, sum(s for _, s in chunks), silence, stalls,
+                        chunks[-1][0] - sent)
+
+
+async def listen(url: str, text: str, index: int, prebuffer_s: float) -> PlayerResult:
+    """One session: send ``text``, record every frame's arrival, play it back paced."""
+    async with connect(url, max_size=None, ping_interval=None) as ws:
+        await ws.recv()  # ready
+        await ws.send(json.dumps({"type": "start", "voice": f"seed:{index % 5}",
+                                  "seed": 1 + index}))
+        sent = time.perf_counter()
+        await ws.send(json.dumps({"type": "text", "text": text}))
+        await ws.send(json.dumps({"type": "end"}))
+        chunks: list[tuple[float, float]] = []
+        rate = 24000
+        while True:
+            msg = await ws.recv()
+            if isinstance(msg, bytes):  # 12-byte header, then PCM16
+                chunks.append((time.perf_counter(), (len(msg) - 12) / 2 / rate))
+                continue
+            event = json.loads(msg)
+            if event["type"] == "segment_started":
+                rate = event["sample_rate"]
+            elif event["type"] == "error":
+                raise RuntimeError(f"stream {index}: {event}")
+            elif event["type"] == "done":
+                return play(chunks, sent, prebuffer_s)
+
+
+def summarize(results: Sequence[PlayerResult], wall_s: float, tolerance_s: float
+              ) -> dict[str, Any]:
+    """One run of N streams: medians and totals, and whether nobody heard silence."""
+    audio = sum(r.audio_s for r in results)
+    silence = sum(r.silence_s for r in results)
+    return {
+        "streams": len(results),
+        "ttfa_median_s": statistics.median(r.ttfa_s for r in results),
+        "ttfa_max_s": max(r.ttfa_s for r in results),
+        "audio_s": audio,
+        "silence_s": silence,
+        "silence_max_s": max(r.silence_s for r in results),
+        "silence_per_audio_s": silence / audio if audio else 0.0,
+        "wall_s": wall_s,
+        "no_silence": all(r.silence_s <= tolerance_s for r in results),
+        "per_stream": [r.as_dict() for r in results],
+    }
+
+
+def realtime_streams(runs: dict[str, list[dict[str, Any]]], name: str,
+                     counts: Sequence[int]) -> int:
+    """The largest count up to which every run of every count had no silence (0: none)."""
+    best = 0
+    for n in sorted(counts):
+        rows = runs.get(f"{name}@{n}")
+        if not rows or not all(r["no_silence"] for r in rows):
+            break
+        best = n
+    return best
+
+
+# -- the machine and the step ---------------------------------------------------------
+
+
+def read_bandwidth(mb: int, repeat: int = 5) -> float:
+    """Bytes per second of one pass reading a ``mb`` MiB fp32 buffer (``sum``; best of
+    ``repeat``), with torch's current threads."""
+    import torch
+
+    x = torch.ones(mb * 2**20 // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def linear_pass_ms(engine: Any, rows: int, repeat: int = 5) -> float:
+    """One pass of ``rows`` rows through the GPT's linear layers as installed (best of
+    ``repeat``), i.e. the linear-layer part of a decode step."""
+    import torch
+
+    from rtts.engines.kernels import linears
+
+    mods = linears(engine.chat.gpt.gpt)
+    xs = {int(m.in_features): torch.randn(rows, 1, int(m.in_features)) for m in mods}
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(repeat + 1):
+            t0 = time.perf_counter()
+            for m in mods:
+                m(xs[int(m.in_features)])
+            best = min(best, time.perf_counter() - t0)
+    return 1000 * best
+
+
+def step_report(engine: Any, rows: Sequence[int], steps: int, bandwidth: float
+                ) -> dict[str, Any]:
+    """The decode step at each row count: ms, its linear layers' ms, the share outside
+    them, and (1 row) its multiple of the weight-read limit."""
+    from rtts.bench.main import _step_ms
+
+    table = engine.kernel_table
+    out: dict[str, Any] = {"kernels": table.as_dict() if table else None, "rows": {}}
+    for r in rows:
+        step = _step_ms(engine, r, steps)
+        lin = linear_pass_ms(engine, r)
+        out["rows"][r] = {"step_ms": step, "linear_ms": lin,
+                          "outside_linear_share": max(0.0, 1 - lin / step)}
+    if table is not None and table.bytes:
+        wbytes = table.bytes[table.chosen[1]]
+        limit = 1000 * wbytes / bandwidth
+        out["weight_bytes"] = wbytes
+        out["read_limit_ms"] = limit
+        out["step1_over_limit"] = out["rows"][rows[0]]["step_ms"] / limit
+    return out
+
+
+# -- the run ---------------------------------------------------------------------------
+
+
+async def bench_realtime(args: argparse.Namespace) -> dict[str, Any]:
+    from rtts.engines.chattts import configure_threads_env
+
+    configure_threads_env()
+    import torch
+
+    from rtts.bench.main import _cpu_model
+    from rtts.config import EngineConfig, ServerConfig
+    from rtts.core.cache import CacheConfig
+    from rtts.core.scheduler import SchedulerConfig
+    from rtts.engines.chattts import ChatTTSEngine, StockChatTTSEngine
+    from rtts.server import bound_port, run_server
+
+    torch.set_num_threads(args.threads)
+    counts = sorted({int(n) for n in args.streams.split(",")})
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    slots = max(counts)
+    # as `rtts serve` (pacing on, GIL switch interval), but no phrase cache: every run
+    # synthesizes the same text again
+    sys.setswitchinterval(ServerConfig.gil_switch_interval_s)
+    base = ServerConfig(port=0, ping_interval_s=None, web_dir=None,
+                        cache=CacheConfig(memory_mb=0))
+    ecfg = EngineConfig(source="custom", model_dir=args.model_dir, device="cpu",
+                        threads=args.threads, fixed_tokens=args.tokens, batch_rows=slots)
+    out: dict[str, Any] = {
+        "cpu": _cpu_model(), "cores": os.cpu_count(), "threads": args.threads,
+        "torch": torch.__version__, "model_dir": str(args.model_dir), "text": args.text,
+        "tokens": args.tokens, "prebuffer_s": args.prebuffer,
+        "silence_tolerance_s": args.silence_tolerance, "counts": counts, "repeat": args.repeat,
+        "steps": {}, "runs": {}, "load_s": {}}
+    bandwidth = read_bandwidth(args.bandwidth_mb)
+    out["read_bandwidth_gb_s"] = bandwidth / 1e9
+    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({args.threads} threads)",
+          file=sys.stderr, flush=True)
+    setups: list[tuple[str, Any, SchedulerConfig, int]] = [
+        (f"rtts-{d}", replace(ecfg, dtype=d), SchedulerConfig(
+            max_batch_size=slots, request_timeout_s=3600), slots) for d in dtypes]
+    if args.stock_max_streams > 0:
+        setups.append(("stock", ecfg, SchedulerConfig(
+            max_batch_size=1, concurrency=1, request_timeout_s=3600), args.stock_max_streams))
+    urls: dict[str, str] = {}
+    step_rows = sorted({1, args.rows})
+    async with contextlib.AsyncExitStack() as stack:
+        for name, cfg, sched, _ in setups:
+            t0 = time.perf_counter()
+            engine = (StockChatTTSEngine if name == "stock" else ChatTTSEngine)(cfg)
+            await asyncio.to_thread(engine.load)
+            await asyncio.to_thread(engine.warmup)
+            out["load_s"][name] = time.perf_counter() - t0
+            if name != "stock":
+                rep = await asyncio.to_thread(step_report, engine, step_rows, args.steps,
+                                              bandwidth)
+                rep["dtype"] = engine.config.dtype
+                out["steps"][name] = rep
+                print(f"{name}: step " + ", ".join(
+                    f"{r} rows {v['step_ms']:.1f} ms ({100 * v['outside_linear_share']:.0f}% "
+                    "outside linears)" for r, v in rep["rows"].items())
+                    + (f"; 1 row = {rep['step1_over_limit']:.2f}x its read limit "
+                       f"{rep['read_limit_ms']:.1f} ms" if "read_limit_ms" in rep else ""),
+                    file=sys.stderr, flush=True)
+            app = await stack.enter_async_context(
+                run_server(replace(base, scheduler=sched), engine, load=False))
+            await app.start_serving()
+            urls[name] = f"ws://127.0.0.1:{bound_port(app)}{base.ws_path}"
+        for n in counts:
+            for rep_i in range(args.repeat):
+                for name, _, _, most in setups:
+                    if n > most:
+                        continue
+                    t0 = time.perf_counter()
+                    results = await asyncio.gather(*(
+                        listen(urls[name], args.text, i, args.prebuffer) for i in range(n)))
+                    row = summarize(results, time.perf_counter() - t0, args.silence_tolerance)
+                    out["runs"].setdefault(f"{name}@{n}", []).append(row)
+                    print(f"{name:>10} streams={n} run {rep_i + 1}: TTFA median "
+                          f"{row['ttfa_median_s']:.2f}s, audio {row['audio_s']:.1f}s, "
+                          f"silence {row['silence_s']:.2f}s "
+                          f"({row['silence_per_audio_s']:.2f}/s of audio)",
+                          file=sys.stderr, flush=True)
+    out["summary"] = {key: {k: statistics.median(r[k] for r in rows) for k in (
+        "ttfa_median_s", "ttfa_max_s", "audio_s", "silence_s", "silence_per_audio_s",
+        "wall_s")} | {"no_silence": all(r["no_silence"] for r in rows)}
+        for key, rows in out["runs"].items()}
+    out["realtime_streams"] = {name: realtime_streams(out["runs"], name, counts)
+                               for name, _, _, _ in setups}
+    return out
+
+
+def add_parser(bench: argparse.ArgumentParser) -> None:
+    """Add ``realtime`` to the ``rtts bench`` subcommands."""
+    sub = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    p = sub.add_parser("realtime", help="N streams through the native socket, each with a "
+                       "paced player: TTFA, silence heard; stock ChatTTS beside")
+    p.add_argument("--model-dir", type=Path, required=True,
+                   help="checkpoint (e.g. from `rtts model make-random --size full`)")
+    p.add_argument("--streams", default="1,2,4", help="stream counts (comma-separated)")
+    p.add_argument("--dtypes", default="fp32", help="rtts settings: --dtype values")
+    p.add_argument("--tokens", type=int, default=120, help="GPT steps per segment")
+    p.add_argument("--prebuffer", type=float, default=0.3,
+                   help="seconds a player buffers after its first audio before playing")
+    p.add_argument("--silence-tolerance", type=float, default=0.05,
+                   help="a stream counts as without silence up to this many seconds")
+    p.add_argument("--stock-max-streams", type=int, default=4,
+                   help="run stock ChatTTS up to this many streams (0: not at all)")
+    p.add_argument("--rows", type=int, default=4, help="also time the step at this many rows")
+    p.add_argument("--steps", type=int, default=24, help="decode steps timed per row count")
+    p.add_argument("--bandwidth-mb", type=int, default=1024, help="read-bandwidth buffer")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--text", default=PARAGRAPH)
+    p.add_argument("--repeat", type=int, default=1, help="alternating runs per stream count")
+    p.add_argument("--json", type=Path, default=None, help="also write results here")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = asyncio.run(bench_realtime(args))
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text)
+    return 0

@@ -58,7 +58,8 @@ class EngineConfig:
     decode_lookahead: int = 4  # tokens held back until their right context exists
     default_voice_seed: int = 2
     compile: bool = False
-    dtype: str = "fp32"  # GPT linear weights: fp32 | bf16 | int8 (weight-only)
+    # GPT linear weights: auto (fp32/bf16, fastest measured) | fp32 | bf16 | int8 | int4
+    dtype: str = "auto"
     kernels: str = "auto"  # auto: measure at load; or force one path (see engines/kernels.py)
     batch_rows: int = 8  # most rows a batch can have (the scheduler's slots): kernels timed 1..
     fixed_tokens: int | None = None  # benchmarks: every segment exactly this many GPT steps

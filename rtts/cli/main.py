@@ -103,9 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch CPU threads (default: torch's own choice)")
     s.add_argument("--max-new-token", type=int, default=EngineConfig.max_new_token,
                    help="most GPT steps per segment (47 a second of audio)")
-    s.add_argument("--dtype", choices=["fp32", "bf16", "int8", "int4"],
-                   default=EngineConfig.dtype, help="GPT weight precision (int8, int4: "
-                   "weight-only, see docs/benchmarks/cpu-realtime.md for accuracy)")
+    s.add_argument("--dtype", choices=["auto", "fp32", "bf16", "int8", "int4"],
+                   default=EngineConfig.dtype, help="GPT weight precision (auto: fp32 or "
+                   "bf16, whichever measures faster at load; int8, int4: weight-only, "
+                   "see docs/benchmarks/cpu-realtime.md for accuracy)")
     s.add_argument("--kernels", default=EngineConfig.kernels,
                    choices=["auto", "linear", "transposed", "bf16", "int8", "int8bf", "int4",
                             "int8dyn"],

@@ -28,6 +28,9 @@ Paths:
                 CPUs, where torch's int8pack kernel is slow; its activation scale is
                 shared by the rows of one call, so batch neighbours nudge each other
 
+``--dtype auto`` (the default) offers the fp32 paths and ``bf16``: bf16 weights where they
+measure faster (on CPUs with AVX-512 BF16 / AMX, at 2+ rows), fp32 elsewhere.
+
 Prefill (more rows than slots) is timed too, at ``PREFILL_ROWS`` rows. Only the GPT's
 transformer layers are converted; embeddings, the output heads, norms and attention
 stay fp32.
@@ -46,8 +49,10 @@ __all__ = ["DTYPES", "KernelTable", "install", "linears"]
 
 logger = logging.getLogger("rtts.kernels")
 
-DTYPES = ("fp32", "bf16", "int8", "int4")
-_CANDIDATES = {"fp32": ("linear", "transposed"), "bf16": ("bf16", "linear"),
+DTYPES = ("auto", "fp32", "bf16", "int8", "int4")
+# auto: the near-lossless paths (fp32 and bf16), the fastest measured per row count
+_CANDIDATES = {"auto": ("linear", "transposed", "bf16"),
+               "fp32": ("linear", "transposed"), "bf16": ("bf16", "linear"),
                "int8": ("int8bf", "int8", "int8dyn", "linear"),
                "int4": ("int4", "int8bf", "linear")}
 # int4 group size: 32 input channels per (scale, zero). Measured on full-size random
@@ -231,7 +236,7 @@ def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "c
         return KernelTable(dtype, {})
     candidates: tuple[str, ...] = _CANDIDATES[dtype]
     if device != "cpu":  # GPU: plain F.linear in the precision (int8 kernels are CPU-only)
-        candidates = ("linear",) if dtype == "fp32" else ("bf16",)
+        candidates = ("linear",) if dtype in ("fp32", "auto") else ("bf16",)
     if force:
         candidates = (force,)
     weights = [_Weights(m, set(candidates)) for m in mods]

@@ -76,3 +76,35 @@ def test_table_counts_the_weight_bytes_each_path_reads():
 def test_int4_refuses_shapes_its_kernel_cannot_pack():
     with pytest.raises(ValueError, match="int4"):
         kernels.install(torch.nn.Sequential(torch.nn.Linear(100, 64)), "int4", force="int4")
+
+
+def test_thread_tuner_keeps_the_faster_count_and_probes_cheaply():
+    from rtts.engines.gpt_loop import ThreadTuner
+
+    calls = []
+    tuner = ThreadTuner([2, 1], calls.append, period=10, probe=3)
+    assert tuner.current == 2 and calls == [2]
+    # quiet machine: 2 threads 20 ms, 1 thread 30 ms a step
+    cost = {2: 0.020, 1: 0.030}
+    for _ in range(200):
+        tuner.observe(4, cost[tuner.current])
+    assert tuner.best(4) == 2 and tuner.current == 2
+    # each probe of 1 thread lost at its first step, so probes got rarer
+    assert tuner.period > 10 and calls.count(1) < 12
+    # a neighbour arrives: 2 threads collapse to 500 ms, 1 thread keeps 60 ms
+    cost = {2: 0.500, 1: 0.060}
+    spent = 0.0
+    for _ in range(400):
+        spent += cost[tuner.current]
+        tuner.observe(4, cost[tuner.current])
+    assert tuner.current == 1 and tuner.best(4) == 1
+    # the collapsing count ran only a few steps (its average had to fall behind first)
+    assert spent < 400 * 0.060 * 1.6
+    # the neighbour leaves: probing 2 threads again wins it back
+    cost = {2: 0.020, 1: 0.030}
+    for _ in range(3000):
+        tuner.observe(4, cost[tuner.current])
+    assert tuner.current == 2
+    # row counts are learned separately
+    tuner.observe(1, 0.010)
+    assert (2, 1) in tuner.ms

@@ -44,7 +44,7 @@ from rtts.core.params import SynthParams
 from rtts.core.speaker import decode_speaker
 from rtts.engines import kernels
 from rtts.engines.base import EngineInfo, EngineOutput, SynthRequest, fixed_batch
-from rtts.engines.gpt_loop import BatchedGpt, GptRow, RowSpec
+from rtts.engines.gpt_loop import BatchedGpt, GptRow, RowSpec, ThreadTuner
 
 __all__ = ["ChatTTSEngine", "StockChatTTSEngine", "check_torchaudio", "configure_threads_env"]
 
@@ -100,6 +100,8 @@ class ChatTTSEngine:
         self._voice_lock = threading.Lock()
         self._default_voice: Any = None
         self.kernel_table: kernels.KernelTable | None = None
+        # torch's thread count, chosen from the steps as they run (gpt_loop.ThreadTuner)
+        self.thread_tuner: ThreadTuner | None = None
 
     @property
     def info(self) -> EngineInfo:
@@ -161,6 +163,9 @@ class ChatTTSEngine:
             logger.info("serving real ChatTTS weights %s (%s, %s)", self.weights["identity"],
                         found.source, path)
         self._default_voice = self._voice_tensor(f"seed:{cfg.default_voice_seed}")
+        threads = torch.get_num_threads()
+        if self.device == "cpu" and threads > 1:
+            self.thread_tuner = ThreadTuner([threads, 1], torch.set_num_threads)
 
     def _load_first(self, chat_class: Any, torch: Any) -> tuple[Any, Any]:
         """The first weights of :func:`rtts.engines.weights.candidates` that load (sha256
@@ -327,6 +332,8 @@ class ChatTTSEngine:
 
         gpt = self.batch(slots)
         live: list[_Live] = []
+        if self.thread_tuner is not None:
+            self.thread_tuner.apply()
         with torch.no_grad():
             while True:
                 gpt.cancel(lambda row: row.spec.tag.cancelled.is_set())
@@ -342,7 +349,11 @@ class ChatTTSEngine:
                 if not live:
                     return
                 if gpt.rows:
+                    t0 = time.perf_counter()
                     gpt.step()
+                    if self.thread_tuner is not None:
+                        self.thread_tuner.observe(gpt.forward_rows[-1],
+                                                  time.perf_counter() - t0)
                 yield from self._decode_live(live)
                 live = [x for x in live if not x.done]
 

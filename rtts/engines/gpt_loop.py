@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BatchedGpt", "GptRow", "RowSpec"]
+__all__ = ["BatchedGpt", "GptRow", "RowSpec", "ThreadTuner"]
 
 MIN_TOKENS_TO_KEEP = 3  # ChatTTS's gen_logits: top-P and top-K keep at least 3 codes
 PENALTY_WINDOW = 16  # ChatTTS's repetition penalty looks at the last 16 codes
@@ -420,3 +420,76 @@ class BatchedGpt:
         for r in self.rows:
             r.next_pos += 1
         self._after_draw(self.rows, h, self._sample(self.rows, h))
+
+
+class ThreadTuner:
+    """Chooses torch's intra-op thread count from the decode steps as they run.
+
+    On a CPU shared with other processes (or with the server's own event loop and
+    encoders), every parallel region of a step waits for its slowest thread; when one of
+    them is descheduled the step stalls. Measured on a 2-core Xeon with one competing
+    CPU-bound process: a 4-row int4 step took 50-800 ms with 2 threads and 64-128 ms
+    with 1, while on the quiet machine 2 threads were ~20% faster. So the count is not
+    fixed: :meth:`observe` keeps a moving average of the step time per (threads, rows),
+    runs at the best count for the current rows, and now and then probes the others for
+    a few steps. A probe step slower than ``give_up`` times the best ends the probe at
+    once, and each lost probe doubles the wait before the next (up to ``max_period``), so
+    probing a collapsing thread count costs little.
+    """
+
+    def __init__(self, choices: Sequence[int], set_threads: Callable[[int], None],
+                 period: int = 48, probe: int = 3, give_up: float = 1.5,
+                 max_period: int = 512, alpha: float = 0.3) -> None:
+        self.choices = sorted(set(choices), reverse=True)
+        self._set = set_threads
+        self.base_period = self.period = period
+        self.probe, self.give_up, self.max_period, self.alpha = probe, give_up, max_period, alpha
+        self.ms: dict[tuple[int, int], float] = {}  # (threads, rows) -> moving average
+        self.current = self.choices[0]
+        self.switches = 0
+        self._until_probe = period
+        self._probe_left = 0
+        self._probe_won = False
+        set_threads(self.current)
+
+    def apply(self) -> None:
+        """Set the current count again (e.g. from another thread: OpenMP's is per thread)."""
+        self._set(self.current)
+
+    def best(self, rows: int) -> int:
+        return min(self.choices, key=lambda c: self.ms.get((c, rows), float("inf")))
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """Record one step of ``rows`` rows at the current count; maybe switch."""
+        ms = 1000 * seconds
+        key = (self.current, rows)
+        old = self.ms.get(key)
+        self.ms[key] = ms if old is None else old + self.alpha * (ms - old)
+        best = self.best(rows)
+        if self._probe_left:  # probing another count
+            best_ms = self.ms.get((best, rows), float("inf"))
+            self._probe_left -= 1
+            if self.current == best:
+                self._probe_won = True
+            elif ms > self.give_up * best_ms:
+                self._probe_left = 0  # clearly worse: stop paying for it
+            if not self._probe_left:
+                self.period = (self.base_period if self._probe_won
+                               else min(self.max_period, 2 * self.period))
+                self._until_probe = self.period
+                self._go(self.best(rows))
+            return
+        self._until_probe -= 1
+        untried = [c for c in self.choices if (c, rows) not in self.ms]
+        if len(self.choices) > 1 and (self._until_probe <= 0 or untried):
+            others = untried or [c for c in self.choices if c != best]
+            self._probe_left, self._probe_won = self.probe, False
+            self._go(others[0])
+        elif best != self.current:
+            self._go(best)
+
+    def _go(self, threads: int) -> None:
+        if threads != self.current:
+            self.current = threads
+            self.switches += 1
+            self._set(threads)

@@ -72,13 +72,23 @@ async def test_staggered_bench_compares_static_and_continuous(tiny_checkpoint: P
 @pytest.mark.chattts
 async def test_kernels_bench_reports_step_times_and_accuracy(tiny_checkpoint: Path):
     args = build_parser().parse_args([
-        "bench", "kernels", "--model-dir", str(tiny_checkpoint), "--dtypes", "fp32,bf16",
+        "bench", "kernels", "--model-dir", str(tiny_checkpoint), "--dtypes", "fp32,bf16,int4",
         "--rows", "1,2", "--steps", "6", "--tokens", "16", "--threads", "2"])
     out = await bench_kernels(args)
     fp32, bf16 = out["dtypes"]["fp32"], out["dtypes"]["bf16"]
     assert fp32["greedy_agreement"] == 1.0 and fp32["logits_cosine_min"] > 0.9999
     assert 0.5 < bf16["greedy_agreement"] <= 1.0 and bf16["logits_cosine_mean"] > 0.99
     assert set(bf16["step_ms"]) == {1, 2} and all(v > 0 for v in bf16["step_ms"].values())
+    assert out["dtypes"]["int4"]["logits_cosine_mean"] > 0.9
+    # the decoded audio of the same codes against the reference's: identical (None) or
+    # rounding-close where only fp32 paths were chosen (on this tiny model they often
+    # measure fastest), else a finite SNR
+    for res in out["dtypes"].values():
+        snr = res["audio_snr_db"]
+        if set(res["kernels"]["chosen"].values()) <= {"linear", "transposed"}:
+            assert snr is None or snr > 60
+        else:
+            assert isinstance(snr, float)
 
 
 def test_arrival_times_fixed_gap_and_poisson():

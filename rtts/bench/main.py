@@ -47,6 +47,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import resource
 import statistics
@@ -495,9 +496,9 @@ def _step_ms(engine: Any, rows: int, steps: int) -> float:
     return 1000 * statistics.median(times[2:])
 
 
-def _forced_logits(engine: Any, codes: Any | None, tokens: int) -> tuple[Any, Any]:
+def _forced_logits(engine: Any, codes: Any | None, tokens: int) -> tuple[Any, Any, Any]:
     """Run one row for ``tokens`` steps; with ``codes`` (tokens, vq), feed those instead of
-    the drawn ones (teacher forcing). Returns (logits (tokens, vq, V), codes)."""
+    the drawn ones (teacher forcing). Returns (logits (tokens, vq, V), codes, hiddens)."""
     import torch
 
     from rtts.core.params import SynthParams
@@ -517,7 +518,7 @@ def _forced_logits(engine: Any, codes: Any | None, tokens: int) -> tuple[Any, An
             gpt.step()
         h = row.hiddens[:tokens]
         logits = torch.stack([head(h) for head in chat.gpt.head_code], 1).float()
-    return logits, row.codes[:tokens].clone()
+    return logits, row.codes[:tokens].clone(), h.clone()
 
 
 async def bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
@@ -533,7 +534,7 @@ async def bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
     cpu = _cpu_model()
     out: dict[str, Any] = {"cpu": cpu, "threads": args.threads, "tokens": args.tokens,
                            "dtypes": {}}
-    ref_logits = ref_codes = None
+    ref_logits = ref_codes = ref_wav = None
     rows_list = [int(r) for r in args.rows.split(",")]
     for dtype in args.dtypes.split(","):
         engine = ChatTTSEngine(EngineConfig(source="custom", model_dir=args.model_dir,
@@ -544,7 +545,7 @@ async def bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
         table = engine.kernel_table
         res: dict[str, Any] = {"kernels": table.as_dict() if table else None}
         res["step_ms"] = {r: _step_ms(engine, r, args.steps) for r in rows_list}
-        logits, codes = _forced_logits(engine, ref_codes, args.tokens)
+        logits, codes, hiddens = _forced_logits(engine, ref_codes, args.tokens)
         if ref_logits is None:
             ref_logits, ref_codes = logits, codes
         cos = torch.nn.functional.cosine_similarity(
@@ -553,6 +554,13 @@ async def bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
         res["logits_cosine_min"] = float(cos.min())
         res["greedy_agreement"] = float(
             (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
+        # the decoded audio of the teacher-forced run against fp32's (same codes fed)
+        wav = engine.chat._decode_to_wavs([hiddens], True)[0]
+        if ref_wav is None:
+            ref_wav = wav
+        err = float(((wav - ref_wav) ** 2).sum())
+        res["audio_snr_db"] = (10 * math.log10(float((ref_wav ** 2).sum()) / err)
+                               if err > 0 else None)  # None: identical
         out["dtypes"][dtype] = res
         print(f"{dtype}: {json.dumps(res)}", file=sys.stderr, flush=True)
         engine.close()
@@ -924,7 +932,8 @@ def add_parser(sub: Any) -> None:
     st.add_argument("--json", type=Path, default=None)
     kn = bsub.add_parser("kernels", help="GPT step time and accuracy per --dtype")
     kn.add_argument("--model-dir", type=Path, required=True)
-    kn.add_argument("--dtypes", default="fp32,bf16,int8")
+    kn.add_argument("--dtypes", default="fp32,auto,bf16,int8,int4",
+                    help="the first is the reference the others are compared with")
     kn.add_argument("--rows", default="1,4", help="batch sizes to time")
     kn.add_argument("--steps", type=int, default=24, help="decode steps timed per batch size")
     kn.add_argument("--tokens", type=int, default=128, help="decode length for accuracy")

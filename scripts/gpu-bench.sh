@@ -4,7 +4,7 @@
 #
 #   scripts/gpu-bench.sh prepare     # here, with pip's network: wheels into .whl/
 #   scripts/gpu-bench.sh run OUTDIR  # there: installs .whl/, makes the full random
-#                                    # checkpoint, runs the benches (< 8 min)
+#                                    # checkpoint, runs the benches (< 12 min)
 #
 # `prepare` downloads what ChatTTS and rtts need beyond torch/transformers/numpy as
 # CPython 3.12 manylinux wheels (the GPU image's python), building ChatTTS's sdist into
@@ -53,6 +53,9 @@ case "$mode" in
     # 3. Staggered arrivals: continuous vs static batching
     r 150 staggered --model-dir $ck --device cuda --arrivals 8 --gap 0.5 --slots 16 \
         --tokens 128 --json "$out/staggered.json"
+    # 4. What a listener hears: N paced players, rtts vs stock ChatTTS (~2 min)
+    r 240 realtime --model-dir $ck --device cuda --streams 1,4,8,16 --dtypes auto,bf16 \
+        --stock-max-streams 1 --json "$out/realtime.json"
     ;;
   *)
     echo "usage: $0 prepare | run [OUTDIR]" >&2; exit 2 ;;

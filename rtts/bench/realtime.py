@@ -21,8 +21,9 @@ Every segment is forced to ``--tokens`` GPT steps, so random weights give equal 
 every setting. The same run measures the machine's read bandwidth (one pass over a
 ``--bandwidth-mb`` buffer) and, per dtype, the GPT decode step at 1 and ``--rows`` rows:
 its multiple of the weight-read limit (bytes of the GPT's linear weights as the installed
-kernels hold them, divided by the bandwidth) and the share of the step spent outside the
-linear layers (one pass of the same rows through the linear layers alone, subtracted).
+kernels hold them, divided by the bandwidth measured just before) and the share of the
+step spent outside the linear layers (one pass of the same rows through the linear layers
+alone, subtracted).
 """
 
 from __future__ import annotations
@@ -149,17 +150,26 @@ def realtime_streams(runs: dict[str, list[dict[str, Any]]], name: str,
 # -- the machine and the step ---------------------------------------------------------
 
 
-def read_bandwidth(mb: int, repeat: int = 5) -> float:
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def read_bandwidth(mb: int, repeat: int = 5, device: str = "cpu") -> float:
     """Bytes per second of one pass reading a ``mb`` MiB fp32 buffer (``sum``; best of
-    ``repeat``), with torch's current threads."""
+    ``repeat``), with torch's current threads (or on the GPU's memory)."""
     import torch
 
-    x = torch.ones(mb * 2**20 // 4)
+    x = torch.ones(mb * 2**20 // 4, device=device)
     x.sum()
     best = float("inf")
     for _ in range(repeat):
+        _sync(device)
         t0 = time.perf_counter()
         x.sum()
+        _sync(device)
         best = min(best, time.perf_counter() - t0)
     return x.numel() * 4 / best
 
@@ -172,25 +182,32 @@ def linear_pass_ms(engine: Any, rows: int, repeat: int = 5) -> float:
     from rtts.engines.kernels import linears
 
     mods = linears(engine.chat.gpt.gpt)
-    xs = {int(m.in_features): torch.randn(rows, 1, int(m.in_features)) for m in mods}
+    dev = engine.device
+    xs = {int(m.in_features): torch.randn(rows, 1, int(m.in_features), device=dev,
+                                          dtype=engine.chat.gpt.gpt.dtype) for m in mods}
     best = float("inf")
     with torch.no_grad():
         for _ in range(repeat + 1):
+            _sync(dev)
             t0 = time.perf_counter()
             for m in mods:
                 m(xs[int(m.in_features)])
+            _sync(dev)
             best = min(best, time.perf_counter() - t0)
     return 1000 * best
 
 
-def step_report(engine: Any, rows: Sequence[int], steps: int, bandwidth: float
+def step_report(engine: Any, rows: Sequence[int], steps: int, bandwidth_mb: int
                 ) -> dict[str, Any]:
     """The decode step at each row count: ms, its linear layers' ms, the share outside
-    them, and (1 row) its multiple of the weight-read limit."""
+    them, and (1 row) its multiple of the weight-read limit, against the read bandwidth
+    measured just before (on a shared machine both move together)."""
     from rtts.bench.main import _step_ms
 
     table = engine.kernel_table
-    out: dict[str, Any] = {"kernels": table.as_dict() if table else None, "rows": {}}
+    bandwidth = read_bandwidth(bandwidth_mb, device=engine.device)
+    out: dict[str, Any] = {"kernels": table.as_dict() if table else None, "rows": {},
+                           "read_bandwidth_gb_s": bandwidth / 1e9}
     for r in rows:
         step = _step_ms(engine, r, steps)
         lin = linear_pass_ms(engine, r)
@@ -230,17 +247,21 @@ async def bench_realtime(args: argparse.Namespace) -> dict[str, Any]:
     sys.setswitchinterval(ServerConfig.gil_switch_interval_s)
     base = ServerConfig(port=0, ping_interval_s=None, web_dir=None,
                         cache=CacheConfig(memory_mb=0))
-    ecfg = EngineConfig(source="custom", model_dir=args.model_dir, device="cpu",
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    ecfg = EngineConfig(source="custom", model_dir=args.model_dir, device=device,
                         threads=args.threads, fixed_tokens=args.tokens, batch_rows=slots)
     out: dict[str, Any] = {
         "cpu": _cpu_model(), "cores": os.cpu_count(), "threads": args.threads,
+        "device": device if device == "cpu" else torch.cuda.get_device_name(device),
         "torch": torch.__version__, "model_dir": str(args.model_dir), "text": args.text,
         "tokens": args.tokens, "prebuffer_s": args.prebuffer,
         "silence_tolerance_s": args.silence_tolerance, "counts": counts, "repeat": args.repeat,
         "steps": {}, "runs": {}, "load_s": {}}
-    bandwidth = read_bandwidth(args.bandwidth_mb)
+    bandwidth = read_bandwidth(args.bandwidth_mb, device=device)
     out["read_bandwidth_gb_s"] = bandwidth / 1e9
-    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({args.threads} threads)",
+    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({device}, {args.threads} threads)",
           file=sys.stderr, flush=True)
     setups: list[tuple[str, Any, SchedulerConfig, int]] = [
         (f"rtts-{d}", replace(ecfg, dtype=d), SchedulerConfig(
@@ -259,7 +280,9 @@ async def bench_realtime(args: argparse.Namespace) -> dict[str, Any]:
             out["load_s"][name] = time.perf_counter() - t0
             if name != "stock":
                 rep = await asyncio.to_thread(step_report, engine, step_rows, args.steps,
-                                              bandwidth)
+                                              args.bandwidth_mb)
+                out["read_bandwidth_gb_s"] = max(out["read_bandwidth_gb_s"],
+                                                 rep["read_bandwidth_gb_s"])
                 rep["dtype"] = engine.config.dtype
                 out["steps"][name] = rep
                 print(f"{name}: step " + ", ".join(
@@ -316,6 +339,7 @@ def add_parser(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=24, help="decode steps timed per row count")
     p.add_argument("--bandwidth-mb", type=int, default=1024, help="read-bandwidth buffer")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
     p.add_argument("--text", default=PARAGRAPH)
     p.add_argument("--repeat", type=int, default=1, help="alternating runs per stream count")
     p.add_argument("--json", type=Path, default=None, help="also write results here")

@@ -105,12 +105,14 @@ class ChatTTSEngine:
 
     @property
     def info(self) -> EngineInfo:
-        table = self.kernel_table
+        table, tuner = self.kernel_table, self.thread_tuner
+        kern: dict[str, Any] | None = (None if table is None else
+                                       {"dtype": table.dtype, "chosen": table.chosen})
+        if kern is not None and tuner is not None:
+            kern["threads"] = tuner.current  # torch threads the decode steps run on now
         return EngineInfo(self.name, self.sample_rate, device=self.device,
                           continuous=self.continuous, weights=dict(self.weights),
-                          kernels=None if table is None else {"dtype": table.dtype,
-                                                              "chosen": table.chosen},
-                          **self._scheduling())
+                          kernels=kern, **self._scheduling())
 
     def _scheduling(self) -> dict[str, Any]:
         """The scheduler shape this engine needs (none: the server's settings)."""

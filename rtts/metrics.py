@@ -92,6 +92,22 @@ def _jobs(counters: dict[str, float]) -> list[str]:
         f"rtts_job_segments_running {int(counters['running'])}"]
 
 
+def _capacity(app: Service) -> list[str]:
+    """The streams the primary engine keeps in real time, measured from its steps as they
+    run (ChatTTS on a CPU), and the headroom left: none for an engine that does not say."""
+    kernels = app.engine.info.kernels or {}
+    cap = kernels.get("realtime_streams")
+    if cap is None:
+        return []
+    return ["# HELP rtts_realtime_capacity_streams streams the engine keeps in real time "
+            "(measured from its decode steps)",
+            "# TYPE rtts_realtime_capacity_streams gauge",
+            f"rtts_realtime_capacity_streams {int(cap)}",
+            "# HELP rtts_realtime_headroom_streams the capacity minus the contexts open now",
+            "# TYPE rtts_realtime_headroom_streams gauge",
+            f"rtts_realtime_headroom_streams {int(cap) - app.active_contexts()}"]
+
+
 def render_metrics(app: Service) -> str:
     s, sch, cs = app.stats, app.scheduler, app.cache.stats
     ttfa = list(s.ttfa_s)
@@ -141,6 +157,7 @@ def render_metrics(app: Service) -> str:
           for q in (0.5, 0.95, 0.99)),
         f"rtts_time_to_first_audio_seconds_count {s.ttfa_count}",
         *_per_engine(app),
+        *_capacity(app),
         "# TYPE rtts_load_level gauge", f"rtts_load_level {int(app.governor.level)}",
         "# TYPE rtts_degraded gauge", f"rtts_degraded {int(app.degraded)}",
         "# TYPE rtts_governor_transitions_total counter",

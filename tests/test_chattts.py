@@ -155,6 +155,16 @@ async def test_streams_through_the_server(tiny_checkpoint: Path):
         assert info["kernels"]["dtype"] == "auto" and 1 in info["kernels"]["chosen"]
         assert set(info["kernels"]["chosen"].values()) <= {"linear", "transposed", "bf16"}
         assert info["kernels"]["threads"] in (1, 2)  # what the ThreadTuner runs on now
+        # capacity measured from the steps and decodes that just ran
+        kern = info["kernels"]
+        assert kern["step_ms"] and all(ms > 0 for ms in kern["step_ms"].values())
+        assert kern["decode_s_per_audio_s"] > 0
+        assert 0 <= kern["realtime_streams"] <= 8
+        from rtts.metrics import render_metrics
+
+        metrics = render_metrics(app)
+        assert f"rtts_realtime_capacity_streams {kern['realtime_streams']}" in metrics
+        assert "rtts_realtime_headroom_streams " in metrics
 
 
 def test_engine_identity_names_the_weights_not_the_path(engine, tiny_checkpoint, tmp_path):

@@ -108,3 +108,16 @@ def test_thread_tuner_keeps_the_faster_count_and_probes_cheaply():
     # row counts are learned separately
     tuner.observe(1, 0.010)
     assert (2, 1) in tuner.ms
+
+
+def test_realtime_capacity_counts_rows_whose_steps_and_decoding_fit_a_second():
+    from rtts.engines.chattts import TOKENS_PER_SECOND, realtime_capacity
+
+    budget_ms = 1000 / TOKENS_PER_SECOND  # 21.3 ms a step with nothing else to do
+    steps = {1: 12.0, 2: 14.0, 4: 18.0, 8: 40.0}
+    # decoding 0.05 s per audio second: 4 rows need 46.875 * 18 ms + 4 * 0.05 s = 1.04 s
+    assert realtime_capacity(steps, 0.05, slots=8) == 2
+    assert realtime_capacity(steps, 0.0, slots=8) == 4  # 18 ms < 21.3 ms, 40 ms is not
+    assert realtime_capacity(steps, 0.0, slots=2) == 2  # never more than the slots
+    assert realtime_capacity({1: budget_ms * 1.01}, 0.0, slots=8) == 0
+    assert realtime_capacity({}, 0.0, slots=8) == 0  # nothing measured yet

@@ -46,11 +46,26 @@ from rtts.engines import kernels
 from rtts.engines.base import EngineInfo, EngineOutput, SynthRequest, fixed_batch
 from rtts.engines.gpt_loop import BatchedGpt, GptRow, RowSpec, ThreadTuner
 
-__all__ = ["ChatTTSEngine", "StockChatTTSEngine", "check_torchaudio", "configure_threads_env"]
+__all__ = ["ChatTTSEngine", "StockChatTTSEngine", "check_torchaudio", "configure_threads_env",
+           "realtime_capacity"]
 
 logger = logging.getLogger("rtts.chattts")
 
 SAMPLES_PER_TOKEN = 512  # 1 GPT step = 2 mel frames x hop 256 at 24 kHz
+TOKENS_PER_SECOND = 24000 / SAMPLES_PER_TOKEN  # 46.875 GPT steps per second of audio
+
+
+def realtime_capacity(step_ms: dict[int, float], decode_s_per_audio_s: float,
+                      slots: int) -> int:
+    """The most rows that stay real time: ``rows`` streams need, per second, 46.875 steps
+    of ``rows`` rows plus the decoding of ``rows`` seconds of audio. Only measured row
+    counts count; 0 when none is real time (or none was measured yet)."""
+    best = 0
+    for rows, ms in sorted(step_ms.items()):
+        need = TOKENS_PER_SECOND * ms / 1000 + rows * decode_s_per_audio_s
+        if rows <= slots and need <= 1.0:
+            best = rows
+    return best
 
 
 def configure_threads_env() -> None:
@@ -102,6 +117,7 @@ class ChatTTSEngine:
         self.kernel_table: kernels.KernelTable | None = None
         # torch's thread count, chosen from the steps as they run (gpt_loop.ThreadTuner)
         self.thread_tuner: ThreadTuner | None = None
+        self.decode_s_per_audio_s = 0.0  # moving average over the decodes as they run
 
     @property
     def info(self) -> EngineInfo:
@@ -110,6 +126,12 @@ class ChatTTSEngine:
                                        {"dtype": table.dtype, "chosen": table.chosen})
         if kern is not None and tuner is not None:
             kern["threads"] = tuner.current  # torch threads the decode steps run on now
+            steps = tuner.step_ms()
+            kern["step_ms"] = {r: round(ms, 2) for r, ms in steps.items()}
+            kern["decode_s_per_audio_s"] = round(self.decode_s_per_audio_s, 4)
+            # measured from the steps as they run: what an autoscaler or balancer reads
+            kern["realtime_streams"] = realtime_capacity(
+                steps, self.decode_s_per_audio_s, self.config.batch_rows)
         return EngineInfo(self.name, self.sample_rate, device=self.device,
                           continuous=self.continuous, weights=dict(self.weights),
                           kernels=kern, **self._scheduling())
@@ -390,7 +412,13 @@ class ChatTTSEngine:
             spans.append((w0, x.emitted, target, final))
         if not due:
             return
+        t0 = time.perf_counter()
         wavs = self.chat._decode_to_wavs(windows, True)
+        audio_s = sum(end - start for _, start, end, _ in spans) / TOKENS_PER_SECOND
+        if audio_s > 0:
+            per = (time.perf_counter() - t0) / audio_s
+            old = self.decode_s_per_audio_s
+            self.decode_s_per_audio_s = per if old == 0 else old + 0.2 * (per - old)
         for k, x in enumerate(due):
             w0, start, target, final = spans[k]
             valid = max(0, (2 * (target - w0) - 1) * 256) if final else None

@@ -467,6 +467,11 @@ class ThreadTuner:
         """Set the current count again (e.g. from another thread: OpenMP's is per thread)."""
         self._set(self.current)
 
+    def step_ms(self) -> dict[int, float]:
+        """rows -> the moving-average step time at the best count for those rows."""
+        rows = sorted({r for _, r in self.ms})
+        return {r: self.ms[(self.best(r), r)] for r in rows}
+
     def best(self, rows: int) -> int:
         return min(self.choices, key=lambda c: self.ms.get((c, rows), float("inf")))
 

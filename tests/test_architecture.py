@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent / "rtts"
 # rtts.api modules every front-end may use; the HTTP router and the composition root
 # (rtts.server) are the only places that know every front-end.
 SHARED_API = {"rtts.api", "rtts.api.admission", "rtts.api.auth", "rtts.api.compat",
-              "rtts.api.handshake", "rtts.api.listener", "rtts.api.tasks", "rtts.api.http",
-              "rtts.api.http.common", "rtts.api.http.speech"}
+              "rtts.api.handshake", "rtts.api.listener", "rtts.api.sockets", "rtts.api.tasks",
+              "rtts.api.http", "rtts.api.http.common", "rtts.api.http.speech"}
 ROUTERS = {"rtts.api.http.app"}
 
 

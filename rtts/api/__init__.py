@@ -7,6 +7,6 @@
   Deepgram: :mod:`rtts.api.deepgram`; Wyoming: :mod:`rtts.api.wyoming`
 - voices and jobs APIs: :mod:`rtts.api.voices`, :mod:`rtts.api.jobs`
 - shared: :mod:`rtts.api.listener` (one port), :mod:`rtts.api.admission`, :mod:`rtts.api.auth`,
-  :mod:`rtts.api.handshake`, :mod:`rtts.api.tasks`, :mod:`rtts.api.compat`,
+  :mod:`rtts.api.handshake`, :mod:`rtts.api.sockets`, :mod:`rtts.api.tasks`, :mod:`rtts.api.compat`,
   :mod:`rtts.api.http` (the ASGI app, errors, the one HTTP speech handler)
 """

@@ -67,6 +67,7 @@ from rtts.api.auth import Authenticator, AuthError
 from rtts.api.handshake import respond
 from rtts.api.http.common import ApiError, authorize_listing, b64, read_body
 from rtts.api.http.speech import SpeechBody, SpeechRequest, speak
+from rtts.api.sockets import OpenSockets, close_within, send_within
 from rtts.api.tasks import OwnedTasks
 from rtts.audio.codecs import Encoder, codec_for, open_encoder
 from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
@@ -74,7 +75,6 @@ from rtts.core.params import SynthParams
 from rtts.core.service import Service
 from rtts.core.voicenames import OPENAI_VOICES, resolve_voice, speed_from_factor
 from rtts.errors import (
-    CLOSE_GOING_AWAY,
     CLOSE_NORMAL,
     CLOSE_POLICY_VIOLATION,
     CLOSE_TRY_AGAIN_LATER,
@@ -524,13 +524,8 @@ class _Socket:
         if self._closing:
             return
         self._closing = True
-        try:
-            async with asyncio.timeout(self.endpoint.service.config.close_timeout_s):
-                await self.ws.close(code, reason)
-        except TimeoutError:
-            self.ws.transport.abort()
-        except ConnectionClosed:
-            pass
+        await close_within(self.ws, code, reason,
+                           self.endpoint.service.config.close_timeout_s)
 
     async def fail(self, exc: ElevenError, context_id: str | None = None) -> None:
         """Send the error message and close with its code."""
@@ -540,13 +535,9 @@ class _Socket:
         await self.close(exc.close, exc.error[:100])
 
     async def send(self, message: dict[str, Any]) -> None:
-        try:
-            async with asyncio.timeout(self.endpoint.service.config.slow_client_timeout_s):
-                await self.ws.send(orjson.dumps(message).decode())
-        except TimeoutError:
-            logger.warning("elevenlabs socket: client too slow, closing")
-            self.ws.transport.abort()  # the close frame would sit behind unread audio
-            raise ConnectionClosed(None, None) from None
+        await send_within(self.ws, orjson.dumps(message).decode(),
+                          self.endpoint.service.config.slow_client_timeout_s, logger,
+                          "elevenlabs socket")
         if message.get("audio"):
             self.endpoint.service.stats.frames_sent += 1
 
@@ -658,7 +649,7 @@ class ElevenLabsEndpoints:
         # the WebSocket admission the sockets share with the native one (one count of
         # connections and sessions per key); None for an HTTP-only instance
         self.admission = admission
-        self.sockets: set[_Socket] = set()
+        self.sockets: OpenSockets[_Socket] = OpenSockets()
         self._options: weakref.WeakKeyDictionary[ServerConnection, SocketOptions] = (
             weakref.WeakKeyDictionary())
 
@@ -715,21 +706,14 @@ class ElevenLabsEndpoints:
             if options is None:  # pragma: no cover - the handshake always sets them
                 options = socket_options(voice_id, _query(ws.request.path if ws.request
                                                           else ""), self.service)
-            sock = _Socket(self, ws, options, multi, principal)
-            self.sockets.add(sock)
-            self.service.stats.connections_total += 1
-            try:
-                await sock.run()
-            finally:
-                self.sockets.discard(sock)
-                self.service.activity.set()
+            await self.sockets.serve(_Socket(self, ws, options, multi, principal),
+                                     self.service)
 
     def busy(self) -> int:
         return sum(1 for s in self.sockets if s.contexts)
 
     async def close_all(self) -> None:
-        await asyncio.gather(*(s.close(CLOSE_GOING_AWAY, "server shutting down")
-                               for s in list(self.sockets)), return_exceptions=True)
+        await self.sockets.close_all()
 
     # -- HTTP
 

@@ -60,6 +60,7 @@ from rtts.api.compat import FlushMarks, RawEncoder, compat_voice, word_times
 from rtts.api.handshake import respond
 from rtts.api.http.common import ApiError, b64, read_body
 from rtts.api.http.speech import SpeechBody, SpeechRequest, speak
+from rtts.api.sockets import OpenSockets, close_within, send_within
 from rtts.api.tasks import OwnedTasks
 from rtts.audio.codecs import Encoder, codec_for, open_encoder
 from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
@@ -67,7 +68,6 @@ from rtts.core.params import SynthParams
 from rtts.core.service import Service
 from rtts.core.voicenames import speed_from_factor
 from rtts.errors import (
-    CLOSE_GOING_AWAY,
     CLOSE_NORMAL,
     CLOSE_TRY_AGAIN_LATER,
     InternalError,
@@ -272,22 +272,13 @@ class _Socket:
         if self._closing:
             return
         self._closing = True
-        try:
-            async with asyncio.timeout(self.endpoint.service.config.close_timeout_s):
-                await self.ws.close(code, reason[:100])
-        except TimeoutError:
-            self.ws.transport.abort()
-        except ConnectionClosed:
-            pass
+        await close_within(self.ws, code, reason,
+                           self.endpoint.service.config.close_timeout_s)
 
     async def send(self, message: dict[str, Any]) -> None:
-        try:
-            async with asyncio.timeout(self.endpoint.service.config.slow_client_timeout_s):
-                await self.ws.send(orjson.dumps(message).decode())
-        except TimeoutError:
-            logger.warning("cartesia socket: client too slow, closing")
-            self.ws.transport.abort()
-            raise ConnectionClosed(None, None) from None
+        await send_within(self.ws, orjson.dumps(message).decode(),
+                          self.endpoint.service.config.slow_client_timeout_s, logger,
+                          "cartesia socket")
         if message.get("type") == "chunk":
             self.endpoint.service.stats.frames_sent += 1
 
@@ -398,7 +389,7 @@ class CartesiaEndpoints:
         self.service = service
         self.auth = auth
         self.admission = admission  # None on an HTTP-only instance
-        self.sockets: set[_Socket] = set()
+        self.sockets: OpenSockets[_Socket] = OpenSockets()
 
     # -- WebSocket
 
@@ -417,21 +408,13 @@ class CartesiaEndpoints:
         async with self.admission.session(ws) as principal:
             if principal is None:
                 return
-            sock = _Socket(self, ws)
-            self.sockets.add(sock)
-            self.service.stats.connections_total += 1
-            try:
-                await sock.run()
-            finally:
-                self.sockets.discard(sock)
-                self.service.activity.set()
+            await self.sockets.serve(_Socket(self, ws), self.service)
 
     def busy(self) -> int:
         return sum(1 for s in self.sockets if s.contexts)
 
     async def close_all(self) -> None:
-        await asyncio.gather(*(s.close(CLOSE_GOING_AWAY, "server shutting down")
-                               for s in list(self.sockets)), return_exceptions=True)
+        await self.sockets.close_all()
 
     # -- HTTP
 

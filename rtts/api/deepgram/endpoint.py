@@ -55,6 +55,7 @@ from rtts.api.deepgram.protocol import (
 from rtts.api.handshake import respond
 from rtts.api.http.common import ApiError, read_body
 from rtts.api.http.speech import SpeechRequest, speak
+from rtts.api.sockets import OpenSockets, close_within, send_within
 from rtts.api.tasks import OwnedTasks
 from rtts.audio.codecs import Encoder, codec_for, open_encoder
 from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
@@ -62,7 +63,6 @@ from rtts.core.params import SynthParams
 from rtts.core.service import Service
 from rtts.core.voicenames import speed_from_factor
 from rtts.errors import (
-    CLOSE_GOING_AWAY,
     CLOSE_NORMAL,
     CLOSE_TRY_AGAIN_LATER,
     InternalError,
@@ -175,23 +175,13 @@ class _Socket:
         if self._closing:
             return
         self._closing = True
-        try:
-            async with asyncio.timeout(self.endpoint.service.config.close_timeout_s):
-                await self.ws.close(code, reason[:100])
-        except TimeoutError:
-            self.ws.transport.abort()
-        except ConnectionClosed:
-            pass
+        await close_within(self.ws, code, reason,
+                           self.endpoint.service.config.close_timeout_s)
 
     async def send(self, message: dict[str, Any] | bytes) -> None:
         data = message if isinstance(message, bytes) else orjson.dumps(message).decode()
-        try:
-            async with asyncio.timeout(self.endpoint.service.config.slow_client_timeout_s):
-                await self.ws.send(data)
-        except TimeoutError:
-            logger.warning("deepgram socket: client too slow, closing")
-            self.ws.transport.abort()
-            raise ConnectionClosed(None, None) from None
+        await send_within(self.ws, data, self.endpoint.service.config.slow_client_timeout_s,
+                          logger, "deepgram socket")
         if isinstance(message, bytes):
             self.endpoint.service.stats.frames_sent += 1
 
@@ -327,7 +317,7 @@ class DeepgramEndpoints:
         self.service = service
         self.auth = auth
         self.admission = admission  # None on an HTTP-only instance
-        self.sockets: set[_Socket | FluxSocket] = set()
+        self.sockets: OpenSockets[_Socket | FluxSocket] = OpenSockets()
 
     # -- WebSocket
 
@@ -361,20 +351,13 @@ class DeepgramEndpoints:
             sock: _Socket | FluxSocket = (
                 FluxSocket(self, ws, opts, params) if path.split("?", 1)[0] == FLUX_PATH
                 else _Socket(self, ws, opts, params))
-            self.sockets.add(sock)
-            self.service.stats.connections_total += 1
-            try:
-                await sock.run()
-            finally:
-                self.sockets.discard(sock)
-                self.service.activity.set()
+            await self.sockets.serve(sock, self.service)
 
     def busy(self) -> int:
         return sum(1 for s in self.sockets if s.busy)
 
     async def close_all(self) -> None:
-        await asyncio.gather(*(s.close(CLOSE_GOING_AWAY, "server shutting down")
-                               for s in list(self.sockets)), return_exceptions=True)
+        await self.sockets.close_all()
 
     # -- HTTP
 

@@ -39,6 +39,7 @@ from rtts.api.deepgram.protocol import (
     speech_started,
     warning,
 )
+from rtts.api.sockets import close_within, send_within
 from rtts.api.tasks import OwnedTasks
 from rtts.core.context import Audio, Done, SegmentFailed, SpeechContext
 from rtts.core.params import SynthParams
@@ -115,23 +116,13 @@ class FluxSocket:
         if self._closing:
             return
         self._closing = True
-        try:
-            async with asyncio.timeout(self.endpoint.service.config.close_timeout_s):
-                await self.ws.close(code, reason[:100])
-        except TimeoutError:
-            self.ws.transport.abort()
-        except ConnectionClosed:
-            pass
+        await close_within(self.ws, code, reason,
+                           self.endpoint.service.config.close_timeout_s)
 
     async def send(self, message: dict[str, Any] | bytes) -> None:
         data = message if isinstance(message, bytes) else orjson.dumps(message).decode()
-        try:
-            async with asyncio.timeout(self.endpoint.service.config.slow_client_timeout_s):
-                await self.ws.send(data)
-        except TimeoutError:
-            logger.warning("deepgram flux socket: client too slow, closing")
-            self.ws.transport.abort()
-            raise ConnectionClosed(None, None) from None
+        await send_within(self.ws, data, self.endpoint.service.config.slow_client_timeout_s,
+                          logger, "deepgram flux socket")
         if isinstance(message, bytes):
             self.endpoint.service.stats.frames_sent += 1
 

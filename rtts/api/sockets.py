@@ -21,7 +21,7 @@ from rtts.errors import CLOSE_GOING_AWAY
 if TYPE_CHECKING:
     from rtts.core.service import Service
 
-__all__ = ["OpenSockets", "close_within", "send_within"]
+__all__ = ["OpenSockets", "close_within", "receive_unless_idle", "send_within"]
 
 
 async def close_within(ws: ServerConnection, code: int, reason: str, timeout_s: float) -> None:
@@ -47,6 +47,18 @@ async def send_within(ws: ServerConnection, data: str | bytes, timeout_s: float,
         logger.warning("%s: client too slow, closing", what)
         ws.transport.abort()
         raise ConnectionClosed(None, None) from None
+
+
+async def receive_unless_idle(ws: ServerConnection, idle_s: float | None
+                              ) -> str | bytes | None:
+    """The next message, or None once ``idle_s`` passes without one (None or 0: wait as
+    long as it takes). A socket with nothing sent and nothing playing closes on None, so
+    a silent client does not hold a connection slot."""
+    try:
+        async with asyncio.timeout(idle_s or None):
+            return await ws.recv()
+    except TimeoutError:
+        return None
 
 
 class _Socket(Protocol):

@@ -60,7 +60,7 @@ from rtts.api.compat import FlushMarks, RawEncoder, compat_voice, word_times
 from rtts.api.handshake import respond
 from rtts.api.http.common import ApiError, b64, read_body
 from rtts.api.http.speech import SpeechBody, SpeechRequest, speak
-from rtts.api.sockets import OpenSockets, close_within, send_within
+from rtts.api.sockets import OpenSockets, close_within, receive_unless_idle, send_within
 from rtts.api.tasks import OwnedTasks
 from rtts.audio.codecs import Encoder, codec_for, open_encoder
 from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
@@ -286,10 +286,8 @@ class _Socket:
         limits = self.endpoint.service.config.limits
         while not self._closing:
             idle = self.endpoint.service.config.idle_timeout_s
-            try:
-                async with asyncio.timeout(None if self.contexts or not idle else idle):
-                    raw = await self.ws.recv()
-            except TimeoutError:  # nothing sent and nothing playing: free the slot
+            raw = await receive_unless_idle(self.ws, None if self.contexts else idle)
+            if raw is None:  # nothing sent and nothing playing: free the slot
                 await self.close(CLOSE_NORMAL, "idle")
                 return
             try:

@@ -55,7 +55,7 @@ from rtts.api.deepgram.protocol import (
 from rtts.api.handshake import respond
 from rtts.api.http.common import ApiError, read_body
 from rtts.api.http.speech import SpeechRequest, speak
-from rtts.api.sockets import OpenSockets, close_within, send_within
+from rtts.api.sockets import OpenSockets, close_within, receive_unless_idle, send_within
 from rtts.api.tasks import OwnedTasks
 from rtts.audio.codecs import Encoder, codec_for, open_encoder
 from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
@@ -189,10 +189,8 @@ class _Socket:
         limits = self.endpoint.service.config.limits
         while not self._closing:
             idle = self.endpoint.service.config.idle_timeout_s
-            try:
-                async with asyncio.timeout(None if self.busy or not idle else idle):
-                    raw = await self.ws.recv()
-            except TimeoutError:  # nothing sent and nothing playing: free the slot
+            raw = await receive_unless_idle(self.ws, None if self.busy else idle)
+            if raw is None:  # nothing sent and nothing playing: free the slot
                 await self.close(CLOSE_NORMAL, "idle")
                 return
             try:

@@ -39,7 +39,7 @@ from rtts.api.deepgram.protocol import (
     speech_started,
     warning,
 )
-from rtts.api.sockets import close_within, send_within
+from rtts.api.sockets import close_within, receive_unless_idle, send_within
 from rtts.api.tasks import OwnedTasks
 from rtts.core.context import Audio, Done, SegmentFailed, SpeechContext
 from rtts.core.params import SynthParams
@@ -132,10 +132,8 @@ class FluxSocket:
         limits = self.endpoint.service.config.limits
         while not self._closing:
             idle = self.endpoint.service.config.idle_timeout_s
-            try:
-                async with asyncio.timeout(None if self.busy or not idle else idle):
-                    raw = await self.ws.recv()
-            except TimeoutError:  # nothing sent and nothing playing: free the slot
+            raw = await receive_unless_idle(self.ws, None if self.busy else idle)
+            if raw is None:  # nothing sent and nothing playing: free the slot
                 await self.close(CLOSE_NORMAL, "idle")
                 return
             try:

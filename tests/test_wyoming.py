@@ -27,7 +27,7 @@ from wyoming.tts import (
 
 from helpers import base_config, server
 from procs import free_port, start_rtts
-from rtts.api.wyoming import _BadEvent, parse_header
+from rtts.api.wyoming import WyomingError, parse_header
 from rtts.engines.fake import FakeEngine
 
 TEXT = "Turning on the kitchen lights. The temperature is twenty degrees."
@@ -57,7 +57,7 @@ def test_header_parsing_is_checked():
     assert parse_header(b'{"type":"describe"}\n')["type"] == "describe"
     for bad in (b"nope", b"[1]", b'{"type":1}', b'{"type":"x","data":3}',
                 b'{"type":"x","payload_length":-1}'):
-        with pytest.raises(_BadEvent):
+        with pytest.raises(WyomingError):
             parse_header(bad)
 
 

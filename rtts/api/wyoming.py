@@ -78,25 +78,23 @@ class WyomingError(RttsError):
         self.fatal = fatal
 
 
-_BadEvent = WyomingError  # the name the handlers below use
-
 
 def parse_header(line: bytes) -> dict[str, Any]:
     """One Wyoming header line -> its dict (``type``, ``data``, ``data_length``,
-    ``payload_length``), checked; :class:`_BadEvent` when unusable. Pure."""
+    ``payload_length``), checked; :class:`WyomingError` when unusable. Pure."""
     try:
         header = json.loads(line)
     except ValueError:
-        raise _BadEvent("the event header is not valid JSON", "invalid_json") from None
+        raise WyomingError("the event header is not valid JSON", "invalid_json") from None
     if not isinstance(header, dict) or not isinstance(header.get("type"), str):
-        raise _BadEvent("the event header must be a JSON object with a string 'type'",
+        raise WyomingError("the event header must be a JSON object with a string 'type'",
                         "invalid_event")
     if header.get("data") is not None and not isinstance(header["data"], dict):
-        raise _BadEvent("'data' must be an object", "invalid_event")
+        raise WyomingError("'data' must be an object", "invalid_event")
     for name in ("data_length", "payload_length"):
         n = header.get(name)
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
-            raise _BadEvent(f"'{name}' must be a non-negative integer", "invalid_event",
+            raise WyomingError(f"'{name}' must be a non-negative integer", "invalid_event",
                             fatal=True)
     return header
 
@@ -128,7 +126,7 @@ class _Connection:
                     if event is None:
                         return
                     await self._handle(event)
-                except _BadEvent as exc:
+                except WyomingError as exc:
                     self.service.stats.protocol_errors += 1
                     await self.write(Error(text=exc.text, code=exc.code).event())
                     if exc.fatal:
@@ -158,10 +156,10 @@ class _Connection:
             except TimeoutError:
                 if self.busy:
                     continue  # a synthesis is running: the client is waiting for its audio
-                raise _BadEvent(f"no event for {IDLE_TIMEOUT_S:g} s", "timeout",
+                raise WyomingError(f"no event for {IDLE_TIMEOUT_S:g} s", "timeout",
                                 fatal=True) from None
             except ValueError:  # longer than the reader's limit: the framing is lost
-                raise _BadEvent(f"event header longer than {MAX_HEADER_BYTES} bytes",
+                raise WyomingError(f"event header longer than {MAX_HEADER_BYTES} bytes",
                                 "header_too_long", fatal=True) from None
 
     async def _readexactly(self, n: int) -> bytes:
@@ -170,7 +168,7 @@ class _Connection:
             async with asyncio.timeout(EVENT_TIMEOUT_S):
                 return await self.reader.readexactly(n)
         except TimeoutError:
-            raise _BadEvent(f"{n} bytes announced did not arrive within "
+            raise WyomingError(f"{n} bytes announced did not arrive within "
                             f"{EVENT_TIMEOUT_S:g} s", "timeout", fatal=True) from None
 
     async def _read(self) -> Event | None:
@@ -185,16 +183,16 @@ class _Connection:
         data_length = header.get("data_length") or 0
         payload_length = header.get("payload_length") or 0
         if data_length > limit or payload_length > limit:
-            raise _BadEvent(f"data or payload larger than {limit} bytes", "too_large",
+            raise WyomingError(f"data or payload larger than {limit} bytes", "too_large",
                             fatal=True)
         if data_length:
             extra = await self._readexactly(data_length)
             try:
                 more = json.loads(extra)
             except ValueError:
-                raise _BadEvent("event data is not valid JSON", "invalid_json") from None
+                raise WyomingError("event data is not valid JSON", "invalid_json") from None
             if not isinstance(more, dict):
-                raise _BadEvent("event data must be a JSON object", "invalid_event")
+                raise WyomingError("event data must be a JSON object", "invalid_event")
             data.update(more)
         payload = await self._readexactly(payload_length) if payload_length else None
         return Event(type=header["type"], data=data, payload=payload)
@@ -218,17 +216,17 @@ class _Connection:
             self._run(ctx, streaming=True)
         elif SynthesizeChunk.is_type(event.type):
             if self.streaming is None:
-                raise _BadEvent("synthesize-chunk without synthesize-start", "not_streaming")
+                raise WyomingError("synthesize-chunk without synthesize-start", "not_streaming")
             text = _text(event)
             most = self.service.config.limits.max_text_chars_per_context
             if self.streamed_chars + len(text) > most:  # as the other protocols' contexts
-                raise _BadEvent(f"a streamed synthesis takes at most {most} characters",
+                raise WyomingError(f"a streamed synthesis takes at most {most} characters",
                                 "text_too_long")
             self._feed(self.streaming, text)
             self.streamed_chars += len(text)
         elif SynthesizeStop.is_type(event.type):
             if self.streaming is None:
-                raise _BadEvent("synthesize-stop without synthesize-start", "not_streaming")
+                raise WyomingError("synthesize-stop without synthesize-start", "not_streaming")
             self.streaming.end()
             self.streaming = None
         elif Synthesize.is_type(event.type):
@@ -237,43 +235,43 @@ class _Connection:
             self._check_idle()
             text = _text(event)
             if not text.strip():
-                raise _BadEvent("synthesize needs a non-empty 'text'", "invalid_text")
+                raise WyomingError("synthesize needs a non-empty 'text'", "invalid_text")
             ctx = self._open(_voice_name(event))
             self._feed(ctx, text)
             ctx.end()
             self._run(ctx, streaming=False)
         else:
-            raise _BadEvent(f"unknown event type {event.type[:64]!r}", "unknown_event")
+            raise WyomingError(f"unknown event type {event.type[:64]!r}", "unknown_event")
 
     def _check_idle(self) -> None:
         if self.streaming is not None or (self.synthesis is not None
                                           and not self.synthesis.done()):
-            raise _BadEvent("a synthesis is already running on this connection", "busy")
+            raise WyomingError("a synthesis is already running on this connection", "busy")
 
     def _open(self, voice_name: Any) -> SpeechContext:
         service = self.service
         if service.state != State.READY:
-            raise _BadEvent(f"not ready: {service.state_reason}", "unavailable")
+            raise WyomingError(f"not ready: {service.state_reason}", "unavailable")
         voice: str | None = None
         if voice_name is not None:
             if not isinstance(voice_name, str):
-                raise _BadEvent("voice must be a string", "unknown_voice")
+                raise WyomingError("voice must be a string", "unknown_voice")
             try:
                 voice = resolve_voice(voice_name, service)
             except ProtocolError as exc:
-                raise _BadEvent(exc.message, "unknown_voice") from None
+                raise WyomingError(exc.message, "unknown_voice") from None
         params = SynthParams(voice=voice)
         try:
             service.check_admission()
             service.validate_params(params)
         except RttsError as exc:
-            raise _BadEvent(exc.message, str(exc.code)) from None
+            raise WyomingError(exc.message, str(exc.code)) from None
         return service.open_context(params)
 
     def _feed(self, ctx: SpeechContext, text: str) -> None:
         limit = self.service.config.limits.max_text_chars_per_message
         if len(text) > limit:
-            raise _BadEvent(f"text longer than {limit} characters", "text_too_long")
+            raise WyomingError(f"text longer than {limit} characters", "text_too_long")
         ctx.feed(text)
 
     def _run(self, ctx: SpeechContext, streaming: bool) -> None:
@@ -322,14 +320,14 @@ def _voice_name(event: Event) -> str | None:
         return None
     name = voice.get("name") if isinstance(voice, dict) else voice
     if name is not None and not isinstance(name, str):
-        raise _BadEvent("'voice' must be an object with a string 'name'", "invalid_voice")
+        raise WyomingError("'voice' must be an object with a string 'name'", "invalid_voice")
     return name
 
 
 def _text(event: Event) -> str:
     text = event.data.get("text")
     if not isinstance(text, str):
-        raise _BadEvent(f"{event.type} needs a string 'text'", "invalid_text")
+        raise WyomingError(f"{event.type} needs a string 'text'", "invalid_text")
     return text
 
 

@@ -71,11 +71,10 @@ class Stats:
     auth_rejected_by: Counter[str] = field(default_factory=Counter)
     idle_closed: int = 0  # WebSockets closed by the idle timeout
     frames_sent: int = 0
-    audio_seconds_sent: float = 0.0
     http_requests: int = 0
-    ttfa_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
-    ttfa_count: int = 0
-    # the same two per engine (every context's, whatever protocol it came in by)
+    ttfa_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))  # the last ones
+    # time to first audio and audio seconds per engine (every context's, whatever protocol
+    # it came in by); the totals are their sums
     ttfa_by_engine: dict[str, deque[float]] = field(default_factory=dict)
     ttfa_count_by_engine: Counter[str] = field(default_factory=Counter)
     audio_seconds_by_engine: dict[str, float] = field(default_factory=dict)
@@ -85,15 +84,21 @@ class Stats:
     def record_ttfa(self, engine: str, seconds: float) -> None:
         """A live context's first audio exists ``seconds`` after its request was made."""
         self.ttfa_s.append(seconds)
-        self.ttfa_count += 1
         self.ttfa_by_engine.setdefault(engine, deque(maxlen=1024)).append(seconds)
         self.ttfa_count_by_engine[engine] += 1
 
     def record_audio(self, engine: str, seconds: float) -> None:
         """A live context's segment of ``seconds`` was delivered (to its front-end)."""
-        self.audio_seconds_sent += seconds
         self.audio_seconds_by_engine[engine] = self.audio_seconds_by_engine.get(engine, 0.0) \
             + seconds
+
+    @property
+    def ttfa_count(self) -> int:
+        return sum(self.ttfa_count_by_engine.values())
+
+    @property
+    def audio_seconds_sent(self) -> float:
+        return sum(self.audio_seconds_by_engine.values())
 
     @property
     def auth_rejected(self) -> int:

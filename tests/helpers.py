@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -102,3 +103,40 @@ async def client(url: str) -> AsyncIterator[Client]:
         hello = await c.until("ready")
         assert hello["protocol"] == 1
         yield c
+
+
+class ServerThread:
+    """A real rtts server on its own event loop thread, for synchronous clients (the
+    browser tests' playwright API): ``with ServerThread(engine, config) as srv:`` serves
+    on ``srv.port`` (``srv.app`` is the running :class:`~rtts.server.App`)."""
+
+    def __init__(self, engine: Any, config: ServerConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or base_config()
+        self.port = 0
+        self._ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._main())
+
+    async def _main(self) -> None:
+        self._stop = asyncio.Event()
+        async with run_server(self.config, self.engine) as app:
+            self.app = app
+            self.port = bound_port(app)
+            self._ready.set()
+            await self._stop.wait()
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        assert self._ready.wait(30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)

@@ -7,19 +7,14 @@ at real time, serving web/ as it does in production.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
-import threading
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from rtts.config import EngineConfig
 from rtts.engines.fake import FakeEngine
-from rtts.server import bound_port, run_server
 
 pytestmark = pytest.mark.browser
 
@@ -33,42 +28,7 @@ if not shutil.which(CHROMIUM):
     pytest.skip(f"{CHROMIUM} not installed", allow_module_level=True)
 sync_api = pytest.importorskip("playwright.sync_api")
 
-from helpers import base_config  # noqa: E402
-
-
-class ServerThread:
-    """A real rtts server on its own event loop thread, for the synchronous browser API."""
-
-    def __init__(self, engine: FakeEngine) -> None:
-        self.engine = engine
-        self.port = 0
-        self._ready = threading.Event()
-        self._loop = asyncio.new_event_loop()
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._main())
-
-    async def _main(self) -> None:
-        self._stop = asyncio.Event()
-        cfg = replace(base_config(), engine=EngineConfig(name="fake"))
-        async with run_server(cfg, self.engine) as app:
-            self.app = app
-            self.port = bound_port(app)
-            self._ready.set()
-            await self._stop.wait()
-
-    def __enter__(self) -> ServerThread:
-        self._thread.start()
-        assert self._ready.wait(30)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._stop is not None
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
+from helpers import ServerThread  # noqa: E402
 
 
 @pytest.fixture(scope="module")

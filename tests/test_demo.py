@@ -9,10 +9,8 @@ audio keeps arriving while it plays; skipped without /usr/bin/chromium or playwr
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
-import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +20,6 @@ import pytest
 from rtts.api.auth import AuthConfig
 from rtts.config import EngineConfig, ServerConfig
 from rtts.engines.fake import FakeEngine
-from rtts.server import bound_port, run_server
 
 pytestmark = pytest.mark.browser
 
@@ -38,41 +35,11 @@ if not shutil.which(CHROMIUM):
     pytest.skip(f"{CHROMIUM} not installed", allow_module_level=True)
 sync_api = pytest.importorskip("playwright.sync_api")
 
-from helpers import base_config  # noqa: E402
+from helpers import ServerThread, base_config  # noqa: E402
 
 
-class ServerThread:
-    """A real rtts server on its own event loop thread, for the synchronous browser API."""
-
-    def __init__(self, config: ServerConfig) -> None:
-        self.config = config
-        self.port = 0
-        self._ready = threading.Event()
-        self._loop = asyncio.new_event_loop()
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._main())
-
-    async def _main(self) -> None:
-        self._stop = asyncio.Event()
-        engine = FakeEngine(ms_per_char=60, chunk_ms=100, rtf=1.0)
-        async with run_server(self.config, engine) as app:
-            self.port = bound_port(app)
-            self._ready.set()
-            await self._stop.wait()
-
-    def __enter__(self) -> ServerThread:
-        self._thread.start()
-        assert self._ready.wait(30)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._stop is not None
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
+def _engine() -> FakeEngine:
+    return FakeEngine(ms_per_char=60, chunk_ms=100, rtf=1.0)  # paced: audio keeps coming
 
 
 def config(**auth: object) -> ServerConfig:
@@ -107,7 +74,7 @@ def captions(page: object) -> dict[str, object]:
 
 
 def test_live_captions_advance_while_audio_plays(browser: object) -> None:
-    with ServerThread(config()) as srv:
+    with ServerThread(_engine(), config()) as srv:
         ctx, page, errors = open_page(browser, srv.port)
         try:
             text = page.locator("#text").input_value()
@@ -139,7 +106,7 @@ def test_live_captions_advance_while_audio_plays(browser: object) -> None:
 
 
 def test_phone_layout_reads_well(browser: object) -> None:
-    with ServerThread(config()) as srv:
+    with ServerThread(_engine(), config()) as srv:
         ctx, page, errors = open_page(browser, srv.port, viewport=PHONE, is_mobile=True,
                                       has_touch=True, device_scale_factor=2)
         try:
@@ -163,7 +130,7 @@ def test_phone_layout_reads_well(browser: object) -> None:
 
 
 def test_keyed_server_says_so_and_works_with_a_key(browser: object) -> None:
-    with ServerThread(config(api_keys=(KEY,))) as srv:
+    with ServerThread(_engine(), config(api_keys=(KEY,))) as srv:
         ctx, page, errors = open_page(browser, srv.port)
         try:
             form = page.locator("#auth")

@@ -7,6 +7,7 @@ random-weight checkpoint, generated once per test session.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 from collections.abc import Iterator
@@ -18,6 +19,16 @@ import pytest
 # network): `--source auto` then falls back to the random checkpoint. Servers started as
 # subprocesses inherit it. tests/test_weights.py unsets it where it tests the hub probe.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True)
+def _collect_before_caplog(request: pytest.FixtureRequest) -> None:
+    """A test that asserts no ERROR was logged must not see an earlier test's litter: an
+    object an earlier test leaked (an unclosed aiohttp session, say) logs its complaint from
+    ``__del__`` whenever the garbage collector meets it. Collect before such a test starts,
+    so the complaint lands in the test that leaked, not in a later one."""
+    if "caplog" in request.fixturenames:
+        gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -53,11 +53,15 @@ async def livekit_turns(tts: Any, turns: list[str], *, chunks: int = 3) -> list[
 
 
 def pipecat_run(make_service: Callable[[], Any], turns: list[str], *, rate: int = 24000,
-                interrupt_after_audio: bool = False, timeout: float = 60) -> dict[str, Any]:
+                interrupt_after_audio: bool = False, timeout: float = 60,
+                after: Callable[[], Awaitable[None]] | None = None) -> dict[str, Any]:
     """Run a pipecat TTS service on ``turns`` (one ``TTSSpeakFrame`` each, each waiting for
     the previous turn's ``TTSStoppedFrame``). With ``interrupt_after_audio`` the first turn
     is interrupted (an ``InterruptionFrame``, as a user barging in) once its first audio
-    has arrived, and the next turn follows."""
+    has arrived, and the next turn follows. ``after`` runs on the pipeline's loop once it
+    has finished: the place to close what the caller gave the service (an aiohttp session
+    that pipecat does not own, which otherwise reports itself unclosed when the garbage
+    collector meets it, in whatever test is running then)."""
     out: dict[str, Any] = {"audio": [], "words": [], "errors": [], "stopped": 0,
                            "after_interrupt": 0}
 
@@ -129,7 +133,11 @@ def pipecat_run(make_service: Callable[[], Any], turns: list[str], *, rate: int 
                     await asyncio.wait_for(stopped.wait(), timeout)
                 await asyncio.sleep(0.2)  # audio queued behind the stop, if any
             await task.queue_frame(EndFrame())
-            await asyncio.wait_for(runner, timeout)
+            try:
+                await asyncio.wait_for(runner, timeout)
+            finally:
+                if after is not None:
+                    await after()
 
         asyncio.run(main())
 

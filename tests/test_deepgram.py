@@ -227,13 +227,21 @@ async def test_pipecat_deepgram_turns_interruption_errors_and_http() -> None:
                                       ["Hello."], timeout=10)
         assert any("HTTP 400" in e and "unknown model" in e for e in out["errors"]), out["errors"]
 
+        sessions: list[aiohttp.ClientSession] = []
+
         def http() -> Any:
+            sessions.append(aiohttp.ClientSession())  # pipecat uses it, the caller closes it
             return DeepgramHttpTTSService(
                 api_key="sekrit", base_url=f"http://127.0.0.1:{port}", sample_rate=24000,
-                aiohttp_session=aiohttp.ClientSession(),
+                aiohttp_session=sessions[-1],
                 settings=DeepgramHttpTTSService.Settings(voice=MODEL))
 
-        out = await asyncio.to_thread(pipecat_run, http, [SENTENCES[2]])
+        async def close_sessions() -> None:
+            for s in sessions:
+                await s.close()
+
+        out = await asyncio.to_thread(pipecat_run, http, [SENTENCES[2]], after=close_sessions)
+        assert sessions and all(s.closed for s in sessions)
         assert not out["errors"] and len(out["audio"][0]) > 9600
 
 

@@ -18,8 +18,10 @@ at the very end of the buffer is not a boundary yet (``3.`` may become ``3.14``)
 at :meth:`Segmenter.flush`. Numbers are never cut while they may still grow: ``1,000``,
 ``10:30``, ``5, 2026`` (also when the buffer ends after the comma), and forced cuts move
 back to before a number ("12" + ".5%" arriving later) and never fall between a number and
-its unit. A ``.`` after an abbreviation (``Dr.``, ``ext.``, ``Jan.``) or a list item's number
-(``1. 首先``, ``2、其次``) is not a boundary.
+its unit. A ChatTTS control tag (``[uv_break]``, ``[laugh]``, ``[break_3]``) is never cut:
+a forced cut that would fall inside one (also one still arriving: ``…[la``) moves to before
+it, or past it if it starts the buffer. A ``.`` after an abbreviation (``Dr.``, ``ext.``,
+``Jan.``) or a list item's number (``1. 首先``, ``2、其次``) is not a boundary.
 Together this lets :mod:`rtts.text` normalize each chunk exactly as the whole text.
 Chunks with nothing to say (punctuation, spaces) are dropped; their characters still
 count in the offsets of later chunks.
@@ -41,6 +43,10 @@ _CLOSERS = frozenset("\"'”’」』）)]】》")
 _IN_NUMBER = frozenset(".,:%/")  # inside or right after a number: 3.14 1,000 10:30 20% 1/2
 # characters that join a word to what precedes it: domains, paths, addresses, identifiers
 _IN_WORD = frozenset("./\\@:_-#~+=&?")
+# a ChatTTS control tag, as the normalizer keeps it: "[" + name + "]" (names are short)
+_TAG_NAME_MAX = 32
+_TAG = re.compile(rf"\[[A-Za-z_]\w{{0,{_TAG_NAME_MAX - 1}}}\]", re.ASCII)
+_TAG_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
 _ABBREVIATION = re.compile(
     r"(?<![A-Za-z.])(?:Mr|Mrs|Ms|Dr|Prof|St|Jr|Sr|No|Nos|ext|Ext|vs|etc|approx|Fig|Inc|"
     r"e\.g|i\.e|Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec)$")
@@ -149,8 +155,33 @@ class Segmenter:
         for pos in range(self.max_chars, max(self.max_chars // 2, 1), -1):
             if buf[pos - 1].isspace() and not buf[:pos].rstrip()[-1:].isdigit():
                 return pos  # (not between "5" and "km": they are read together)
-        # 3. hard cut, but not inside a number ("…123|45" would read as two numbers)
-        return self._outside_number(buf, self.max_chars)
+        # 3. hard cut, but not inside a number ("…123|45" would read as two numbers) nor
+        #    inside a control tag ("…[la|ugh]" would be read out as letters)
+        return self._outside_tag(buf, self._outside_number(buf, self.max_chars), final=final)
+
+    @staticmethod
+    def _outside_tag(buf: str, cut: int, *, final: bool) -> int | None:
+        """``cut``, moved to before the control tag it would split (a complete one, or one
+        that may still be arriving at the buffer's end); past the tag if the tag starts the
+        buffer; None (wait for more) if that tag is not complete yet."""
+        start = buf.rfind("[", max(0, cut - _TAG_NAME_MAX - 1), cut)
+        if start < 0 or not all(ch in _TAG_CHARS for ch in buf[start + 1:cut]):
+            return cut  # not inside "[name" (tag names are ASCII word characters)
+        if start + 1 < cut and buf[start + 1].isdigit():
+            return cut
+        match = _TAG.match(buf, start)
+        if match is None:
+            # "[name" not closed: a tag still arriving if the buffer ends inside its name
+            rest = buf[cut:]
+            j = 0
+            while j < len(rest) and rest[j] in _TAG_CHARS:
+                j += 1
+            if final or j < len(rest) or cut - start + j > _TAG_NAME_MAX:
+                return cut  # not a tag: "[abc def", "[1", or too long to be one
+            return start if start > 0 else None
+        if match.end() <= cut:
+            return cut  # the tag ends before the cut
+        return start if start > 0 else match.end()
 
     @staticmethod
     def _outside_number(buf: str, cut: int) -> int:

@@ -80,6 +80,7 @@ class ErrorCode(StrEnum):
     CONTEXT_EXISTS = "context_exists"
     TOO_MANY_CONTEXTS = "too_many_contexts"
     TEXT_TOO_LONG = "text_too_long"
+    INVALID_SSML = "invalid_ssml"  # a context started with ssml: true got bad SSML
     BINARY_NOT_ACCEPTED = "binary_not_accepted"
     OVERLOADED = "overloaded"
     ENGINE_ERROR = "engine_error"

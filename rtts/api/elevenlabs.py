@@ -84,6 +84,8 @@ from rtts.errors import (
     RttsError,
 )
 from rtts.text.segmenter import DEFAULT_SCHEDULE
+from rtts.text.ssml import Piece, SsmlError, SsmlReader
+from rtts.text.ssml import parse as parse_ssml
 from rtts.text.timings import CharTimings, estimate
 
 __all__ = ["PATH_PREFIX", "ClientMessage", "ElevenError", "ElevenLabsEndpoints",
@@ -312,6 +314,7 @@ class SocketOptions:
     auto_mode: bool = False
     normalize: bool = True
     sync_alignment: bool = False
+    ssml: bool = False  # enable_ssml_parsing: each context's text is read as SSML
 
 
 def socket_options(voice_id: str, query: dict[str, str], service: Service,
@@ -334,7 +337,8 @@ def socket_options(voice_id: str, query: dict[str, str], service: Service,
         inactivity_s = seconds
     return SocketOptions(fmt, voice, inactivity_s, auto_mode=_bool(query.get("auto_mode"), False),
                          normalize=query.get("apply_text_normalization", "auto").lower() != "off",
-                         sync_alignment=_bool(query.get("sync_alignment"), False))
+                         sync_alignment=_bool(query.get("sync_alignment"), False),
+                         ssml=_bool(query.get("enable_ssml_parsing"), False))
 
 
 # -- the text an alignment covers --------------------------------------------------------
@@ -394,6 +398,9 @@ class _Context:
         self.encoder: Encoder = open_encoder(fmt.codec, service.sample_rate,
                                              fmt.sample_rate, fmt.bit_rate)
         self.aligner = _Aligner()
+        # enable_ssml_parsing: the text goes through an SSML reader (an element split over
+        # messages is held until it closes); alignments then cover the text it reads out
+        self.ssml = SsmlReader() if sock.options.ssml else None
         self.offset_ms = 0  # audio sent before the current segment (sync_alignment)
         self.chars = 0
         self.ended = False
@@ -404,11 +411,27 @@ class _Context:
         if self.chars + len(text) > limit:
             raise ElevenError(f"more than {limit} characters in one context", "text_too_long")
         self.chars += len(text)
-        self.aligner.feed(text)
-        self.speech.feed(text)
+        if self.ssml is None:
+            self.aligner.feed(text)
+            self.speech.feed(text)
+            return
+        try:
+            self._feed_pieces(self.ssml.feed(text))
+        except SsmlError as exc:
+            raise ElevenError(f"invalid SSML: {exc}", "invalid_ssml") from None
+
+    def _feed_pieces(self, pieces: list[Piece]) -> None:
+        for piece in pieces:
+            self.aligner.feed(piece.text)
+        self.speech.feed_pieces(pieces)
 
     def end(self) -> None:
         if not self.ended:
+            if self.ssml is not None:
+                try:
+                    self._feed_pieces(self.ssml.end())
+                except SsmlError as exc:
+                    raise ElevenError(f"invalid SSML: {exc}", "invalid_ssml") from None
             self.ended = True
             self.speech.end()
 
@@ -812,8 +835,18 @@ class ElevenLabsEndpoints:
             voice = resolve_voice_id(request.path_params["voice_id"], service, owner)
             params = SynthParams(voice=voice, speed=speed_of(body.get("voice_settings")))
             normalize = str(body.get("apply_text_normalization", "auto")).lower() != "off"
+            pieces = None
+            if _bool(request.query_params.get("enable_ssml_parsing"), False):
+                try:
+                    pieces = tuple(parse_ssml(text))
+                except SsmlError as exc:
+                    raise ElevenError(f"invalid SSML: {exc}", "invalid_ssml") from None
+                text = "".join(p.text for p in pieces)
+                if not text.strip():
+                    raise ElevenError("the SSML says nothing", "invalid_ssml")
+                texts[-1] = text  # the alignment covers what the SSML reads out
             return SpeechRequest(text, params, fmt.codec, fmt.sample_rate, fmt.bit_rate,
-                                 normalize)
+                                 normalize, pieces=pieces)
 
         stream = await speak(service, self.auth, request, parse,
                              key=request.headers.get("xi-api-key"))

@@ -2,7 +2,8 @@
 
 ``GET /v1/tts?text=...&voice=...&seed=...&sample_rate=...&format=wav`` streams the audio of
 ``text`` (1-5000 characters) in any :mod:`rtts.audio.codecs` format (``wav`` by default, with a
-streaming header), through the same core context as every other protocol.
+streaming header), through the same core context as every other protocol. ``ssml=true``:
+``text`` is SSML (:mod:`rtts.text.ssml`; bad SSML is a 400 with code ``invalid_ssml``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from rtts.api.http.speech import SpeechRequest, speak
 from rtts.audio.codecs import CODECS, Codec, codec_for
 from rtts.core.params import SpeechOptions
 from rtts.core.service import Service
+from rtts.text.ssml import Piece, SsmlError
+from rtts.text.ssml import parse as parse_ssml
 
 __all__ = ["RestEndpoints"]
 
@@ -49,7 +52,8 @@ class RestEndpoints:
             {"id": c.name, "media_type": c.media_type, "sample_rate": c.fixed_rate}
             for c in CODECS.values()]})
 
-    def _parse_tts(self, request: Request) -> tuple[SpeechOptions, Codec, str]:
+    def _parse_tts(self, request: Request
+                   ) -> tuple[SpeechOptions, Codec, str, tuple[Piece, ...] | None]:
         query = request.query_params
         text = query.get("text") or ""
         if not text.strip() or len(text) > MAX_TTS_CHARS:
@@ -59,7 +63,19 @@ class RestEndpoints:
         if codec is None:
             raise ApiError(400, f"format must be one of {', '.join(CODECS)}", param="format")
         msg = speech_options(self.service, query)
-        return msg, codec, text
+        ssml = (query.get("ssml") or "false").lower()
+        if ssml not in ("true", "false", "1", "0"):
+            raise ApiError(400, "ssml must be true or false", param="ssml")
+        if ssml in ("false", "0"):
+            return msg, codec, text, None
+        try:
+            pieces = tuple(parse_ssml(text))
+        except SsmlError as exc:
+            raise ApiError(400, f"invalid SSML: {exc}", param="text",
+                           code="invalid_ssml") from None
+        if not "".join(p.text for p in pieces).strip():
+            raise ApiError(400, "the SSML says nothing", param="text", code="invalid_ssml")
+        return msg, codec, "".join(p.text for p in pieces), pieces
 
     async def token(self, request: Request) -> Response:
         """``GET /v1/token`` with ``Authorization: Bearer <key>``: a short-lived browser token."""
@@ -87,10 +103,10 @@ class RestEndpoints:
         fmt: list[Codec] = []
 
         async def parse(owner: str | None) -> SpeechRequest:
-            msg, codec, text = self._parse_tts(request)
+            msg, codec, text, pieces = self._parse_tts(request)
             fmt.append(codec)
             return SpeechRequest(text, msg.params, codec.name, msg.sample_rate,
-                                 normalize=msg.normalize)
+                                 normalize=msg.normalize, pieces=pieces)
 
         body = await speak(self.service, self.auth, request, parse)
         return body.response(media_type=fmt[0].media_type,

@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Iterable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,6 +30,7 @@ from rtts.core.params import SynthParams
 from rtts.errors import RttsError
 from rtts.text import SpokenText
 from rtts.text.segmenter import DEFAULT_MAX_CHARS, DEFAULT_SCHEDULE, Chunk, Segmenter
+from rtts.text.ssml import Piece, speed_for
 from rtts.text.timings import CharTimings, estimate
 
 if TYPE_CHECKING:
@@ -102,8 +103,10 @@ class SpeechContext:
         self.use_cache = use_cache
         self.background = background  # lowest priority, preemptible (job segments)
         self._spoken_text = SpokenText(enabled=normalize)  # chunk -> spoken, in order
-        # (spoken None: normalized when it is submitted, off the event loop)
-        self._pending: deque[tuple[int, Chunk, str | None]] = deque()
+        # (spoken None: normalized when it is submitted, off the event loop; params: the
+        # context's, or with the speed of an SSML prosody rate)
+        self._pending: deque[tuple[int, Chunk, str | None, SynthParams]] = deque()
+        self._params = params  # of the text being fed now
         self._inflight: deque[tuple[int, Chunk, str, Source | RttsError, str | None]] = deque()
         self._next_index = 0
         self._ended = False
@@ -115,11 +118,26 @@ class SpeechContext:
 
     # -- input -------------------------------------------------------------------------
 
-    def feed(self, text: str) -> None:
-        """More input text (any size piece); complete segments are queued at once."""
+    def feed(self, text: str, speed: int | None = None) -> None:
+        """More input text (any size piece); complete segments are queued at once.
+
+        ``speed`` (0..9, e.g. from an SSML ``<prosody rate>``) is the speed this text is
+        said at, else the context's own: where it changes, what is buffered is queued
+        first, so no segment spans two speeds."""
         if self._segmenter is None:
             self._segmenter = Segmenter(self._schedule, self._max_chunk_chars)
+        wanted = self.params if speed is None else replace(self.params, speed=speed)
+        if wanted != self._params:
+            self.flush()
+            self._params = wanted
         self._queue(self._segmenter.push(text))
+
+    def feed_pieces(self, pieces: Iterable[Piece]) -> None:
+        """Text read from SSML (:mod:`rtts.text.ssml`): each piece at the speed its prosody
+        rate gives around the context's own speed."""
+        for piece in pieces:
+            self.feed(piece.text, None if piece.rate == 1.0
+                      else speed_for(piece.rate, self.params.speed))
 
     def flush(self) -> None:
         """Queue whatever is buffered, without waiting for punctuation."""
@@ -132,11 +150,13 @@ class SpeechContext:
         self._ended = True
         self._wakeup.set()
 
-    def add_segment(self, chunk: Chunk, spoken: str | None = None) -> None:
+    def add_segment(self, chunk: Chunk, spoken: str | None = None,
+                    speed: int | None = None) -> None:
         """Queue a segment the caller cut itself (the native protocol's session does its own
         segmentation, timers included, and its own normalization: ``spoken``); its index is
-        the next one."""
-        self._queue([chunk], spoken)
+        the next one. ``speed``: as in :meth:`feed`."""
+        self._queue([chunk], spoken,
+                    self.params if speed is None else replace(self.params, speed=speed))
 
     def cancel(self) -> None:
         """Stop now: in-flight requests are cancelled and :meth:`events` returns. Counted
@@ -151,9 +171,10 @@ class SpeechContext:
         self._release()
         self._wakeup.set()
 
-    def _queue(self, chunks: list[Chunk], spoken: str | None = None) -> None:
+    def _queue(self, chunks: list[Chunk], spoken: str | None = None,
+               params: SynthParams | None = None) -> None:
         for chunk in chunks:
-            self._pending.append((self._next_index, chunk, spoken))
+            self._pending.append((self._next_index, chunk, spoken, params or self._params))
             self._next_index += 1
         if chunks:
             self._wakeup.set()
@@ -169,13 +190,13 @@ class SpeechContext:
 
     async def _submit_ahead(self) -> None:
         while self._pending and len(self._inflight) < self.lookahead and not self._cancelled:
-            index, chunk, say = self._pending.popleft()
+            index, chunk, say, params = self._pending.popleft()
             spoken = say if say is not None else await self._speak(chunk.text)
             if self._cancelled:
                 return
             # The spoken text is what is synthesized and what the phrase cache is keyed on.
             source, key = await self.service.open_segment(
-                spoken, self.params, first=index == 0, use_cache=self.use_cache,
+                spoken, params, first=index == 0, use_cache=self.use_cache,
                 background=self.background)
             self._inflight.append((index, chunk, spoken, source, key))
 

@@ -279,7 +279,7 @@ def openapi_schema(service: Service) -> dict[str, Any]:
                                                 "required": n == "text",
                                                 "schema": {"type": "string"}}
                                                for n in ("text", "voice", "seed",
-                                                         "sample_rate", "format")],
+                                                         "sample_rate", "format", "ssml")],
                                 "responses": {"200": audio, **errors}}},
             **VOICES_OPENAPI,
             **(JOBS_OPENAPI if service.config.jobs.redis_url else {}),
@@ -288,7 +288,9 @@ def openapi_schema(service: Service) -> dict[str, Any]:
                 "parameters": [{"name": "voice_id", "in": "path", "required": True,
                                 "schema": {"type": "string"}},
                                {"name": "output_format", "in": "query",
-                                "schema": {"type": "string", "default": "mp3_44100_128"}}],
+                                "schema": {"type": "string", "default": "mp3_44100_128"}},
+                               {"name": "enable_ssml_parsing", "in": "query",
+                                "schema": {"type": "boolean", "default": False}}],
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": {"type": "object", "required": ["text"], "properties": {
                         "text": {"type": "string"}, "voice_settings": {"type": "object"},

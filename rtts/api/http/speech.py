@@ -35,6 +35,7 @@ from rtts.core.context import Audio, Done, Event, SegmentFailed, SpeechContext
 from rtts.core.params import SynthParams
 from rtts.core.service import Service
 from rtts.errors import ErrorCode, ProtocolError, RttsError
+from rtts.text.ssml import Piece
 
 __all__ = ["SpeechBody", "SpeechRequest", "segment_error", "speak"]
 
@@ -52,6 +53,8 @@ class SpeechRequest:
     # an encoder of the front-end's own (input rate -> Encoder), for an output no codec
     # name covers (Cartesia's pcm_f32le); ``codec`` then only names it
     encoder: Callable[[int], Encoder] | None = None
+    # the text read from SSML by the front-end (``text`` is then what they say, joined)
+    pieces: tuple[Piece, ...] | None = None
 
 
 def segment_error(exc: RttsError) -> ApiError:
@@ -78,7 +81,10 @@ async def speak(service: Service, auth: Authenticator, request: Request,
             raise ApiError(400, exc.message, code=str(exc.code)) from None
         ctx = service.open_context(job.params, owner=owner, normalize=job.normalize)
         service.stats.http_requests += 1
-        ctx.feed(job.text)
+        if job.pieces is None:
+            ctx.feed(job.text)
+        else:
+            ctx.feed_pieces(job.pieces)
         ctx.end()
         encoder = (job.encoder(service.sample_rate) if job.encoder is not None else
                    open_encoder(job.codec, service.sample_rate, job.sample_rate, job.bit_rate))

@@ -432,7 +432,7 @@ class ContextPipeline:
 
     def add(self, job: Synthesize) -> None:
         self.chunks[job.index] = job.chunk
-        self.speech.add_segment(job.chunk, job.spoken)
+        self.speech.add_segment(job.chunk, job.spoken, job.speed)
 
     def finish(self) -> None:
         """The session is done with this context (every segment reported): end the events."""

@@ -16,7 +16,8 @@ Client -> server messages are JSON objects in text frames, each with a ``type``:
             server paces on instead of its wall-clock estimate (see :mod:`rtts.api.native.pacing`)
 
 ``start`` also takes ``timings`` (bool): ``segment_done`` then carries estimated character
-timings (``chars``, ``char_start_ms``, ``char_duration_ms``, ms in the context's audio).
+timings (``chars``, ``char_start_ms``, ``char_duration_ms``, ms in the context's audio), and
+``ssml`` (bool): the context's text is SSML (:mod:`rtts.text.ssml`), in any pieces.
 
 ``context_id`` may be omitted everywhere; it then defaults to ``"default"``.
 
@@ -96,6 +97,7 @@ class StartMessage:
     cache: bool = True  # may this context's segments be served from / stored in the cache
     normalize: bool = True  # spell out numbers, dates, money, symbols (rtts.text) before TTS
     timings: bool = False  # add estimated character timings to segment_done
+    ssml: bool = False  # the context's text is SSML (rtts.text.ssml)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +187,9 @@ def _parse_start(obj: dict[str, Any]) -> StartMessage:
     timings = obj.get("timings", False)
     if not isinstance(timings, bool):
         raise _bad("timings must be true or false")
+    ssml = obj.get("ssml", False)
+    if not isinstance(ssml, bool):
+        raise _bad("ssml must be true or false")
     return StartMessage(
         context_id=_context_id(obj),
         params=parse_params(obj),
@@ -196,6 +201,7 @@ def _parse_start(obj: dict[str, Any]) -> StartMessage:
         cache=cache,
         normalize=normalize,
         timings=timings,
+        ssml=ssml,
     )
 
 

@@ -38,6 +38,7 @@ from rtts.core.params import SynthParams
 from rtts.errors import ErrorCode, ProtocolError
 from rtts.text import SpokenText
 from rtts.text.segmenter import DEFAULT_MAX_CHARS, DEFAULT_SCHEDULE, Chunk, Segmenter
+from rtts.text.ssml import Piece, SsmlError, SsmlReader, speed_for
 from rtts.text.timings import CharTimings
 
 __all__ = [
@@ -90,13 +91,15 @@ class Synthesize:
     ``spoken`` is what to synthesize (and to key the phrase cache on): ``chunk.text`` with
     numbers, dates, money and symbols spelled out by :mod:`rtts.text`, or ``chunk.text``
     itself when the context was started with ``normalize: false``. The session always
-    fills it; ``None`` (other constructors) means ``chunk.text``.
+    fills it; ``None`` (other constructors) means ``chunk.text``. ``speed``: the speed of
+    an SSML ``<prosody rate>`` this segment is in (None: the context's own).
     """
 
     context_id: str
     index: int
     chunk: Chunk
     spoken: str | None = None
+    speed: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +155,9 @@ class ContextState:
     spoken_text: SpokenText = field(default_factory=SpokenText)
     spoken: dict[int, str] = field(default_factory=dict)  # by segment, until it is done
     timings: bool = False  # character timings on segment_done
+    # ssml: true: the reader of the context's SSML, and the speed of the text being cut
+    ssml: SsmlReader | None = None
+    speed: int | None = None
     # what heard text is computed from (bounded by max_text_chars_per_context)
     input: list[str] = field(default_factory=list)
     finished: list[_HeardSegment] = field(default_factory=list)
@@ -231,19 +237,56 @@ class Session:
                     code=ErrorCode.TEXT_TOO_LONG,
                 )
             ctx.last_text_at = now
-            ctx.input.append(msg.text)
-            if len(ctx.input) > 256:  # one-character messages: keep one string, not 100k
-                ctx.input[:] = ["".join(ctx.input)]
-            return self._queue(ctx, ctx.segmenter.push(msg.text))
+            if ctx.ssml is not None:
+                try:
+                    return self._pieces(ctx, ctx.ssml.feed(msg.text))
+                except SsmlError as exc:
+                    return self._bad_ssml(ctx, exc)
+            return self._text(ctx, msg.text)
         if isinstance(msg, FlushMessage):
             actions = self._queue(ctx, ctx.segmenter.flush())
             ctx.flush_marks.append(ctx.segments_queued)
             return actions + self._check_marks(ctx)
         if isinstance(msg, EndMessage):
-            actions = self._queue(ctx, ctx.segmenter.flush())
+            actions = []
+            if ctx.ssml is not None:
+                try:
+                    actions = self._pieces(ctx, ctx.ssml.end())
+                except SsmlError as exc:
+                    return self._bad_ssml(ctx, exc)
+            actions += self._queue(ctx, ctx.segmenter.flush())
             ctx.ended = True
             return actions + self._check_marks(ctx)
         raise ProtocolError("unsupported message", code=ErrorCode.UNKNOWN_TYPE)  # pragma: no cover
+
+    def _text(self, ctx: ContextState, text: str) -> list[Action]:
+        ctx.input.append(text)
+        if len(ctx.input) > 256:  # one-character messages: keep one string, not 100k
+            ctx.input[:] = ["".join(ctx.input)]
+        return self._queue(ctx, ctx.segmenter.push(text))
+
+    def _pieces(self, ctx: ContextState, pieces: list[Piece]) -> list[Action]:
+        """Text read from SSML: where the speed changes, what is buffered is cut first, so
+        no segment spans two prosody rates. Offsets index the text the SSML reads out."""
+        actions: list[Action] = []
+        for piece in pieces:
+            speed: int | None = speed_for(piece.rate, ctx.params.speed)
+            if speed == ctx.params.speed:
+                speed = None
+            if speed != ctx.speed:
+                actions += self._queue(ctx, ctx.segmenter.flush())
+                ctx.speed = speed
+            actions += self._text(ctx, piece.text)
+        return actions
+
+    def _bad_ssml(self, ctx: ContextState, exc: SsmlError) -> list[Action]:
+        """Bad SSML: its reader cannot go on, so the context is closed (the connection and
+        its other contexts go on; the id can be started again)."""
+        self.protocol_errors += 1
+        self._forget(ctx)
+        error = ProtocolError(f"invalid SSML: {exc}", code=ErrorCode.INVALID_SSML)
+        return [CancelContext(ctx.context_id, ctx.stream, ctx.serial),
+                self.error(error, ctx.context_id, context_closed=True)]
 
     def _start(self, msg: StartMessage, now: float) -> list[Action]:
         if msg.context_id in self.contexts:
@@ -276,6 +319,7 @@ class Session:
             spoken_text=SpokenText(enabled=msg.normalize),
             format=msg.format,
             timings=msg.timings,
+            ssml=SsmlReader() if msg.ssml else None,
             playback_tokens=float(self.limits.playback_burst),
             playback_at=now,
         )
@@ -331,7 +375,8 @@ class Session:
             else:
                 spoken = ctx.spoken_text(chunk.text)
                 ctx.spoken[ctx.segments_queued] = spoken
-            actions.append(Synthesize(ctx.context_id, ctx.segments_queued, chunk, spoken))
+            actions.append(Synthesize(ctx.context_id, ctx.segments_queued, chunk, spoken,
+                                      ctx.speed))
             ctx.segments_queued += 1
         return actions
 

@@ -6,6 +6,7 @@ from rtts.api.native.protocol import (
     FlushMessage,
     StartMessage,
     TextMessage,
+    parse_client_message,
 )
 from rtts.api.native.session import (
     CancelContext,
@@ -165,3 +166,32 @@ def test_a_clause_without_letters_reads_in_the_language_before_it():
     acts += s.receive(TextMessage("a", "42。"), now=0.2) + s.receive(FlushMessage("a"), now=0.3)
     syn = [a for a in acts if isinstance(a, Synthesize)]
     assert [a.spoken for a in syn] == ["答案是，", "四十二。"]  # not "forty two"
+
+
+# -- SSML (issue 29) --------------------------------------------------------------------
+
+
+def _ssml_session(*texts, end=True):
+    s = Session()
+    actions = s.receive(parse_client_message(
+        '{"type":"start","context_id":"a","ssml":true,"speed":4}'))
+    for text in texts:
+        actions += s.receive(TextMessage("a", text))
+    if end:
+        actions += s.receive(EndMessage("a"))
+    return s, actions
+
+
+def test_ssml_context_cuts_where_the_prosody_rate_changes_and_sends_its_speed():
+    _, actions = _ssml_session('<speak>Plain words here <prosody rate="fa',
+                               'st">quick words</prosody> plain again.</speak>')
+    jobs = [a for a in actions if isinstance(a, Synthesize)]
+    assert [(j.chunk.text, j.speed) for j in jobs] == [
+        ("Plain words here", None), ("quick words", 6), ("plain again.", None)]
+
+
+def test_ssml_context_bad_ssml_closes_only_that_context():
+    s, actions = _ssml_session("<speak><p>open</speak>", end=False)
+    err = events(actions, "error")[0]
+    assert err["code"] == "invalid_ssml" and err["context_closed"] is True
+    assert any(isinstance(a, CancelContext) for a in actions) and "a" not in s.contexts

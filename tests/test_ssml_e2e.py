@@ -94,6 +94,15 @@ async def test_native_bad_and_hostile_ssml_close_the_context_with_an_error_event
         assert (await c.until("done", "a"))["segments"] == 1
         await c.send(type="start", context_id="e", ssml="yes")
         assert (await c.until("error", "e"))["code"] == "invalid_params"
+        # one SSML message is bounded (it is read on the event loop): send more messages
+        await c.send(type="start", context_id="f", ssml=True)
+        await c.send(type="text", context_id="f", text="<speak>" + "a " * 2500)
+        assert (await c.until("error", "f"))["code"] == "text_too_long"
+        for text in ["<speak>", "Fine <break/> words. ", "More words."]:
+            await c.send(type="text", context_id="f", text=text)
+        await c.send(type="text", context_id="f", text="</speak>")
+        await c.send(type="end", context_id="f")
+        assert (await c.until("done", "f"))["segments"] > 1
 
 
 # -- ElevenLabs --------------------------------------------------------------------------
@@ -125,6 +134,24 @@ async def test_elevenlabs_socket_ssml_in_pieces_reaches_the_engine_as_tags_and_s
     chars = "".join("".join(m["alignment"]["chars"]) for m in got if m.get("alignment"))
     assert "[lbreak]" in chars and "<" not in chars  # alignments cover what it reads out
     check_heard(engine.heard)
+
+
+async def test_long_ssml_is_read_off_the_event_loop_with_the_same_result():
+    body = 'word <break time="200ms"/> ' * 170  # 4,590 characters: read in a worker thread
+    engine = Recording()
+    async with server(engine=engine) as (app, _):
+        got, code = await _eleven_socket(bound_port(app), ["<speak>" + body + "</speak>"])
+        assert code == 1000 and got[-1]["isFinal"] is True
+        chars = "".join("".join(m["alignment"]["chars"]) for m in got if m.get("alignment"))
+        assert chars.count("[uv_break]") == 170 and "<" not in chars
+        base = f"http://127.0.0.1:{bound_port(app)}/v1/tts?format=pcm16&ssml=true&text="
+        status, _ = await asyncio.to_thread(_get, base + urllib.parse.quote(
+            "<speak>" + body + "</speak>"))
+        assert status == 200
+        status, _ = await asyncio.to_thread(_get, base + urllib.parse.quote("<speak>" + body))
+        assert status == 400  # the error, from the worker thread
+    said = " ".join(t for t, _ in engine.heard)  # (repeated segments come from the cache)
+    assert "word [uv_break] word" in said and "<" not in said
 
 
 async def test_elevenlabs_socket_without_the_flag_reads_markup_as_text():

@@ -84,6 +84,7 @@ from rtts.errors import (
     RttsError,
 )
 from rtts.text.segmenter import DEFAULT_SCHEDULE
+from rtts.text.ssml import INLINE_CHARS as SSML_INLINE_CHARS
 from rtts.text.ssml import Piece, SsmlError, SsmlReader
 from rtts.text.ssml import parse as parse_ssml
 from rtts.text.timings import CharTimings, estimate
@@ -406,7 +407,7 @@ class _Context:
         self.ended = False
         self.task: asyncio.Task[None] | None = None
 
-    def feed(self, text: str) -> None:
+    async def feed(self, text: str) -> None:
         limit = self.sock.endpoint.service.config.limits.max_text_chars_per_context
         if self.chars + len(text) > limit:
             raise ElevenError(f"more than {limit} characters in one context", "text_too_long")
@@ -416,7 +417,11 @@ class _Context:
             self.speech.feed(text)
             return
         try:
-            self._feed_pieces(self.ssml.feed(text))
+            if len(text) <= SSML_INLINE_CHARS:
+                pieces = self.ssml.feed(text)
+            else:  # (this socket's messages are applied one at a time: the reader is ours)
+                pieces = await asyncio.to_thread(self.ssml.feed, text)
+            self._feed_pieces(pieces)
         except SsmlError as exc:
             raise ElevenError(f"invalid SSML: {exc}", "invalid_ssml") from None
 
@@ -603,7 +608,7 @@ class _Socket:
         if msg.close_context:
             if ctx is not None:
                 if msg.text:
-                    ctx.feed(msg.text)
+                    await ctx.feed(msg.text)
                 ctx.end()
             return
         if msg.text is None and not msg.flush:
@@ -621,7 +626,7 @@ class _Socket:
                                   "input_ended")
             ctx = self._open(cid, msg)
         if msg.text:
-            ctx.feed(msg.text)
+            await ctx.feed(msg.text)
         # auto_mode: each message is a whole sentence or phrase, spoken without waiting for
         # more (ElevenLabs: it "disables the chunk schedule and all buffers"); pipecat sends
         # an LLM reply sentence by sentence this way, without a flush
@@ -838,7 +843,8 @@ class ElevenLabsEndpoints:
             pieces = None
             if _bool(request.query_params.get("enable_ssml_parsing"), False):
                 try:
-                    pieces = tuple(parse_ssml(text))
+                    pieces = tuple(parse_ssml(text) if len(text) <= SSML_INLINE_CHARS
+                                   else await asyncio.to_thread(parse_ssml, text))
                 except SsmlError as exc:
                     raise ElevenError(f"invalid SSML: {exc}", "invalid_ssml") from None
                 text = "".join(p.text for p in pieces)

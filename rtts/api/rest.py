@@ -8,6 +8,7 @@ streaming header), through the same core context as every other protocol. ``ssml
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Final
 
@@ -22,6 +23,7 @@ from rtts.api.http.speech import SpeechRequest, speak
 from rtts.audio.codecs import CODECS, Codec, codec_for
 from rtts.core.params import SpeechOptions
 from rtts.core.service import Service
+from rtts.text.ssml import INLINE_CHARS as SSML_INLINE_CHARS
 from rtts.text.ssml import Piece, SsmlError
 from rtts.text.ssml import parse as parse_ssml
 
@@ -52,8 +54,8 @@ class RestEndpoints:
             {"id": c.name, "media_type": c.media_type, "sample_rate": c.fixed_rate}
             for c in CODECS.values()]})
 
-    def _parse_tts(self, request: Request
-                   ) -> tuple[SpeechOptions, Codec, str, tuple[Piece, ...] | None]:
+    async def _parse_tts(self, request: Request
+                         ) -> tuple[SpeechOptions, Codec, str, tuple[Piece, ...] | None]:
         query = request.query_params
         text = query.get("text") or ""
         if not text.strip() or len(text) > MAX_TTS_CHARS:
@@ -69,7 +71,8 @@ class RestEndpoints:
         if ssml in ("false", "0"):
             return msg, codec, text, None
         try:
-            pieces = tuple(parse_ssml(text))
+            pieces = tuple(parse_ssml(text) if len(text) <= SSML_INLINE_CHARS
+                           else await asyncio.to_thread(parse_ssml, text))
         except SsmlError as exc:
             raise ApiError(400, f"invalid SSML: {exc}", param="text",
                            code="invalid_ssml") from None
@@ -103,7 +106,7 @@ class RestEndpoints:
         fmt: list[Codec] = []
 
         async def parse(owner: str | None) -> SpeechRequest:
-            msg, codec, text, pieces = self._parse_tts(request)
+            msg, codec, text, pieces = await self._parse_tts(request)
             fmt.append(codec)
             return SpeechRequest(text, msg.params, codec.name, msg.sample_rate,
                                  normalize=msg.normalize, pieces=pieces)

@@ -54,7 +54,12 @@ from rtts.text.normalize import (
     last_script,
 )
 
-__all__ = ["Piece", "SsmlError", "SsmlLimits", "SsmlReader", "parse", "speed_for"]
+__all__ = ["INLINE_CHARS", "Piece", "SsmlError", "SsmlLimits", "SsmlReader", "parse",
+           "speed_for"]
+
+# Reading costs up to ~0.5 us a character (more with many elements): a caller on an event
+# loop reads SSML longer than this in a worker thread.
+INLINE_CHARS = 2000
 
 Lang = Literal["zh", "en"]
 
@@ -68,6 +73,10 @@ _MIN_RATE, _MAX_RATE = 0.25, 4.0
 _MAX_BREAK_MS = 10_000
 _SPACE = re.compile(r"\s+")
 _NAME = re.compile(r"</?\s*([A-Za-z_][\w.:-]*)")
+# a tag from its "<": unquoted text and quoted values, up to its ">" (or a stray "<")
+_TAG_END = re.compile(r"<[^<>\"']*(?:(?:\"[^\"]*\"|'[^']*')[^<>\"']*)*([<>])")
+_SPECIAL = re.compile(r"[<&]")
+_MAX_ROOT_TAG = 1000  # characters of the <speak ...> start tag (it wraps every piece)
 
 
 class SsmlError(ValueError):
@@ -147,6 +156,7 @@ class SsmlReader:
         self._rates: list[float] = [1.0]
         self._final = False  # end(): nothing more will arrive
         self._space = True  # the last text given out ended in whitespace (or none yet)
+        self._unread: list[str] = []  # text given out since the language was last looked at
 
     def feed(self, text: str) -> list[Piece]:
         if self._root_closed and text.strip():
@@ -210,6 +220,8 @@ class SsmlReader:
         if end is None:
             return False
         start_tag = buf[i:end]
+        if len(start_tag) > _MAX_ROOT_TAG:
+            raise SsmlError(f"the <speak> start tag may be at most {_MAX_ROOT_TAG} characters")
         if start_tag.endswith("/>"):
             raise SsmlError("an empty <speak/> says nothing")
         _parse_xml(buf[:end] + "</speak>")  # the declaration and the root, checked
@@ -225,20 +237,15 @@ class SsmlReader:
 
     @staticmethod
     def _tag_end(buf: str, i: int) -> int | None:
-        """Index after the ``>`` that ends the tag at ``buf[i]`` (quotes respected)."""
-        quote = ""
-        for j in range(i + 1, len(buf)):
-            ch = buf[j]
-            if quote:
-                if ch == quote:
-                    quote = ""
-            elif ch in "\"'":
-                quote = ch
-            elif ch == ">":
-                return j + 1
-            elif ch == "<":
-                raise SsmlError("malformed SSML: '<' inside a tag")
-        return None
+        """Index after the ``>`` that ends the tag at ``buf[i]`` (quotes respected); None
+        if it has not all arrived. (A regular expression: linear, and not a Python loop
+        over the characters, since a tag still arriving is looked at again each piece.)"""
+        match = _TAG_END.match(buf, i)
+        if match is None:
+            return None
+        if match.group(1) == "<":
+            raise SsmlError("malformed SSML: '<' inside a tag")
+        return match.end()
 
     def _scan(self) -> int:
         """Scan on from ``_pos``; return the last index where no element (but the root) is
@@ -299,7 +306,8 @@ class SsmlReader:
                     raise SsmlError(f"SSML may have at most {self.limits.max_elements} elements")
                 i = end
             else:
-                i += 1
+                special = _SPECIAL.search(buf, i)  # plain text: on to the next "<" or "&"
+                i = n if special is None else special.start()
             if self._depth == 0:
                 safe = i
         self._pos = i
@@ -323,10 +331,20 @@ class SsmlReader:
         if not text:
             return []
         self._space = text[-1].isspace()
-        seen = last_script(text)
-        if seen is not None:
-            self.lang = seen
+        self._unread.append(text)  # its script is looked at only if a say-as needs it
+        if len(self._unread) > 256:
+            self._language()
         return [Piece(text, self._rates[-1])]
+
+    def _language(self) -> Lang | None:
+        """The script of the last letter given out (the language say-as reads in)."""
+        while self._unread:
+            seen = last_script(self._unread.pop())
+            if seen is not None:
+                self.lang = seen
+                break
+        self._unread.clear()
+        return self.lang
 
     def _children(self, elem: Element, out: list[Piece]) -> None:
         out += self._text(_SPACE.sub(" ", elem.text or ""))
@@ -363,7 +381,7 @@ class SsmlReader:
             self._children(elem, out)  # an element not in the subset: its text is said
 
     def _say_as(self, content: str, kind: str, fmt: str) -> str:
-        lang: Lang = self.lang or "en"
+        lang: Lang = self._language() or "en"
         if kind in ("characters", "spell-out", "verbatim"):
             letters = [_digit_by_digit(ch, lang) if ch.isdigit() else ch.upper()
                        for ch in content if not ch.isspace()]

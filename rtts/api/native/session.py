@@ -58,6 +58,9 @@ class SessionLimits:
     max_contexts: int = 8
     max_text_chars_per_message: int = 20_000
     max_text_chars_per_context: int = 100_000
+    # a context started with ssml: true reads each message on the event loop: bounded
+    # (SSML may be split anywhere, so a client sends longer SSML in more messages)
+    max_ssml_chars_per_message: int = 4000
     default_idle_flush_ms: int = 1500
     default_schedule: tuple[int, ...] = DEFAULT_SCHEDULE
     default_max_chunk_chars: int = DEFAULT_MAX_CHARS
@@ -238,6 +241,12 @@ class Session:
                 )
             ctx.last_text_at = now
             if ctx.ssml is not None:
+                if len(msg.text) > self.limits.max_ssml_chars_per_message:
+                    raise ProtocolError(
+                        f"SSML text messages are at most "
+                        f"{self.limits.max_ssml_chars_per_message} characters; send longer "
+                        "SSML in more messages (it may be split anywhere)",
+                        code=ErrorCode.TEXT_TOO_LONG)
                 try:
                     return self._pieces(ctx, ctx.ssml.feed(msg.text))
                 except SsmlError as exc:

@@ -48,8 +48,9 @@ def test_prosody_rate_gives_pieces_with_their_rate_and_speed_for_maps_it():
                    '</prosody></prosody> <prosody rate="150%">four</prosody></speak>')
     assert [(p.text, p.rate) for p in pieces] == [
         ("one ", 1.0), ("two ", 0.75), ("three", 1.5), (" ", 1.0), ("four", 1.5)]
-    assert [speed_for(r) for r in (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0)] == [0, 1, 3, 5, 7, 9, 9]
-    assert speed_for(2.0, base=2) == 6
+    # as OpenAI's speed factor maps (2.5 steps per doubling, rounded half to even)
+    assert [speed_for(r) for r in (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0)] == [0, 2, 4, 5, 6, 8, 9]
+    assert speed_for(2.0, base=2) == 4 and speed_for(2.0, base=3) == 6
     assert [p.rate for p in parse('<prosody rate="x-slow">a</prosody>'
                                   '<prosody rate="1000%">b</prosody>')] == [0.5, 4.0]
 

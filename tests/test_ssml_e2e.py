@@ -26,6 +26,7 @@ from helpers import client, server
 from rtts.engines.base import SynthRequest
 from rtts.engines.fake import FakeEngine
 from rtts.server import bound_port
+from rtts.text.ssml import speed_for
 
 # pieces split inside a tag, inside an element and inside an entity reference
 PIECES = ['<speak>Hello <prosody rate="x-slow">slow', " words</prosody> and <bre",
@@ -53,7 +54,7 @@ def check_heard(heard: list[tuple[str, int]], base: int = 5) -> None:
     assert "<" not in said and "&" not in said, said  # no markup reaches the engine
     assert "[lbreak]" in said and "four two" in said, said
     slow = [(t, s) for t, s in heard if "slow" in t]
-    assert slow and all(s == base - 4 for _, s in slow), heard  # x-slow: 4 steps slower
+    assert slow and all(s == speed_for(0.5, base) for _, s in slow), heard  # x-slow
     assert all(s == base for t, s in heard if "slow" not in t), heard
     assert all("slow" not in t or "Hello" not in t for t, _ in heard)  # cut at the change
 
@@ -264,3 +265,24 @@ async def test_rest_tts_ssml_and_its_400s():
             assert error["message"].startswith("invalid SSML")
         status, _ = await asyncio.to_thread(_get, base.replace("ssml=true", "ssml=maybe") + "hi")
         assert status == 400
+
+
+# -- OpenAI (rtts's own "ssml" field, sent by the SDK as extra_body) ---------------------
+
+
+async def test_openai_sdk_speech_with_ssml_in_extra_body():
+    import openai
+
+    engine = Recording()
+    async with server(engine=engine) as (app, _):
+        sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{bound_port(app)}/v1",
+                                 api_key="k", max_retries=0)
+        speech = await sdk.audio.speech.create(model="tts-1", voice="alloy",
+                                               input="".join(PIECES), response_format="pcm",
+                                               extra_body={"ssml": True})
+        assert speech.content
+        check_heard(engine.heard)
+        with pytest.raises(openai.BadRequestError) as caught:
+            await sdk.audio.speech.create(model="tts-1", voice="alloy", input=EXTERNAL_ENTITY,
+                                          extra_body={"ssml": True})
+        assert caught.value.code == "invalid_ssml" and "refused" in caught.value.message

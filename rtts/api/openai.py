@@ -15,6 +15,7 @@ each later piece is encoded and sent as the engine makes it.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Final
 
 import orjson
@@ -31,6 +32,9 @@ from rtts.core.service import Service
 from rtts.core.voicenames import OPENAI_VOICES, speed_from_factor
 from rtts.core.voicenames import resolve_voice as resolve_core_voice
 from rtts.errors import ProtocolError
+from rtts.text.ssml import INLINE_CHARS as SSML_INLINE_CHARS
+from rtts.text.ssml import SsmlError
+from rtts.text.ssml import parse as parse_ssml
 
 __all__ = ["MAX_INPUT_CHARS", "MODELS", "VOICES", "OpenAIEndpoints", "resolve_voice"]
 
@@ -98,8 +102,11 @@ def parse_speech_request(body: Any, service: Service, owner: str | None = None
     stream_format = body.get("stream_format") or "audio"
     if stream_format not in ("audio", "sse"):
         raise _bad("stream_format must be 'audio' or 'sse'", "stream_format")
+    ssml = body.get("ssml", False)  # rtts's own (the SDK sends it as extra_body)
+    if not isinstance(ssml, bool):
+        raise _bad("ssml must be true or false", "ssml")
     return {"input": text, "voice": voice, "format": fmt, "speed": speed_from_factor(float(speed)),
-            "stream_format": stream_format}
+            "stream_format": stream_format, "ssml": ssml}
 
 
 class OpenAIEndpoints:
@@ -154,9 +161,19 @@ class OpenAIEndpoints:
                 raise _bad("the request body is not valid JSON", None, "invalid_json") from None
             req = parse_speech_request(body, service, owner)
             parsed.append(req)
+            pieces = None
+            if req["ssml"]:
+                text = req["input"]
+                try:
+                    pieces = tuple(parse_ssml(text) if len(text) <= SSML_INLINE_CHARS
+                                   else await asyncio.to_thread(parse_ssml, text))
+                except SsmlError as exc:
+                    raise _bad(f"invalid SSML: {exc}", "input", "invalid_ssml") from None
+                if not "".join(p.text for p in pieces).strip():
+                    raise _bad("the SSML says nothing", "input", "invalid_ssml")
             return SpeechRequest(req["input"], SynthParams(voice=req["voice"],
                                                            speed=req["speed"]),
-                                 req["format"], PCM_RATE)
+                                 req["format"], PCM_RATE, pieces=pieces)
 
         stream = await speak(service, self.auth, request, parse)
         req = parsed[0]

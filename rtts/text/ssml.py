@@ -12,9 +12,10 @@ spoken, as SSML processors do with elements they do not know):
   ``[uv_break]``, strong ``[lbreak]``, x-strong two.
 - ``<prosody rate="x-slow|slow|medium|fast|x-fast|N%|+N%|-N%|1.5">``: a rate multiplier
   (x-slow 0.5, slow 0.75, fast 1.5, x-fast 2; relative ones multiply the enclosing rate),
-  turned into ChatTTS's speed 0..9 by :func:`speed_for`: ``base + 4 * log2(rate)``, so
-  half the rate is 4 steps slower and double 4 steps faster. ``pitch`` and ``volume`` are
-  not supported and are ignored.
+  turned into ChatTTS's speed 0..9 by :func:`speed_for`: ``base + 2.5 * log2(rate)``,
+  two and a half steps per doubling around the context's speed (the mapping of OpenAI's
+  and ElevenLabs' speed factor, ``rtts.core.voicenames.speed_from_factor``). ``pitch``
+  and ``volume`` are not supported and are ignored.
 - ``<say-as interpret-as="...">``: ``characters``/``spell-out``/``verbatim`` letter by
   letter (``A B C``, digits one by one), ``digits`` digit by digit, ``cardinal`` and
   ``ordinal`` as number words, ``date`` (``format`` ``ymd``/``mdy``/``dmy``) rewritten as
@@ -99,8 +100,9 @@ class Piece:
 
 
 def speed_for(rate: float, base: int = 5) -> int:
-    """ChatTTS speed (0..9) for a prosody rate multiplier, around the context's own speed."""
-    return max(0, min(9, round(base + 4 * math.log2(rate))))
+    """ChatTTS speed (0..9) for a prosody rate multiplier, around the context's own speed
+    (``base``; 5 is ChatTTS's normal): two and a half steps per doubling."""
+    return max(0, min(9, round(base + 2.5 * math.log2(rate))))
 
 
 def parse(document: str, limits: SsmlLimits | None = None) -> list[Piece]:

@@ -364,6 +364,8 @@ def openapi_schema(service: Service) -> dict[str, Any]:
                 "instructions": {"type": "string",
                                  "description": "accepted and ignored (ChatTTS has no style "
                                                 "prompt)"},
+                "ssml": {"type": "boolean", "default": False,
+                         "description": "rtts: input is SSML (docs/ssml.md)"},
                 "stream_format": {"type": "string", "enum": ["audio", "sse"],
                                   "default": "audio"}}},
             "Error": {"type": "object", "properties": {"error": {"type": "object",

@@ -90,6 +90,8 @@ def test_sub_p_s_entities_whitespace_and_unknown_elements():
                    "</speak>") == "a[lbreak]"
     # ChatTTS tags written in the SSML pass through
     assert text_of("<speak>ha [laugh] ha</speak>") == "ha [laugh] ha"
+    assert text_of('<?xml version="1.0" encoding="UTF-8"?>\n<!-- a note -->\n<speak>a<!-- x -->'
+                   "b</speak>") == "ab"
     # a fragment without <speak> (the ElevenLabs way: tags inline in the text)
     assert text_of('Hello <break time="1s"/> there') == "Hello [lbreak] there"
 

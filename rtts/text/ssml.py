@@ -77,6 +77,7 @@ _NAME = re.compile(r"</?\s*([A-Za-z_][\w.:-]*)")
 # a tag from its "<": unquoted text and quoted values, up to its ">" (or a stray "<")
 _TAG_END = re.compile(r"<[^<>\"']*(?:(?:\"[^\"]*\"|'[^']*')[^<>\"']*)*([<>])")
 _SPECIAL = re.compile(r"[<&]")
+_DECLARATION = re.compile(r"<!(?!--)")  # anything but a comment: DOCTYPE, ENTITY, CDATA
 _MAX_ROOT_TAG = 1000  # characters of the <speak ...> start tag (it wraps every piece)
 
 
@@ -210,7 +211,7 @@ class SsmlReader:
         """Wait for the root's start tag; check it (and any XML declaration) with the
         parser. True once read."""
         buf = self._buf
-        if "<!" in buf:
+        if _DECLARATION.search(buf):
             raise SsmlError("SSML with a DTD (<!DOCTYPE>) or entity declarations is refused")
         i = buf.find("<speak")
         if i < 0:

@@ -108,6 +108,41 @@ def _capacity(app: Service) -> list[str]:
             f"rtts_realtime_headroom_streams {int(cap) - app.active_contexts()}"]
 
 
+def _autoscaling(app: Service) -> list[str]:
+    """The one gauge to scale on, for every engine: the streams speaking now over the
+    instance's capacity (:meth:`Service.capacity`: measured real-time streams where the
+    engine measures them, else its slots), and the parts of it."""
+    capacity, source = app.capacity()
+    speaking = app.speaking
+    return ["# HELP rtts_capacity_streams streams this instance can speak at once "
+            "(measured real-time streams, else the engines' slots; see rtts_capacity_info)",
+            "# TYPE rtts_capacity_streams gauge", f"rtts_capacity_streams {capacity}",
+            "# TYPE rtts_capacity_info gauge", f'rtts_capacity_info{{source="{source}"}} 1',
+            "# HELP rtts_streams_speaking live contexts speaking now, every protocol",
+            "# TYPE rtts_streams_speaking gauge", f"rtts_streams_speaking {speaking}",
+            "# HELP rtts_capacity_free_streams capacity minus the streams speaking (>= 0)",
+            "# TYPE rtts_capacity_free_streams gauge",
+            f"rtts_capacity_free_streams {max(0, capacity - speaking)}",
+            "# HELP rtts_capacity_utilization streams speaking / capacity: the autoscaling "
+            "target (1.0 = full)",
+            "# TYPE rtts_capacity_utilization gauge",
+            f"rtts_capacity_utilization {speaking / max(1, capacity):.4f}"]
+
+
+def _usage(app: Service) -> list[str]:
+    """Per key (the key's owner id; ``anonymous`` with no keys): this instance's counts."""
+    totals = sorted(app.usage.totals.items())
+    lines = []
+    for metric, attr, fmt in (("characters", "characters", "{}"),
+                              ("audio_seconds", "audio_seconds", "{:.3f}"),
+                              ("contexts", "contexts", "{}")):
+        lines.append(f"# TYPE rtts_usage_{metric}_total counter")
+        lines += [f'rtts_usage_{metric}_total{{key="{_label(name)}"}} '
+                  + fmt.format(getattr(u, attr)) for name, u in totals]
+    return ["# HELP rtts_usage_characters_total characters queued for synthesis, per key",
+            *lines]
+
+
 def render_metrics(app: Service) -> str:
     s, sch, cs = app.stats, app.scheduler, app.cache.stats
     ttfa = list(s.ttfa_s)
@@ -158,6 +193,8 @@ def render_metrics(app: Service) -> str:
         f"rtts_time_to_first_audio_seconds_count {s.ttfa_count}",
         *_per_engine(app),
         *_capacity(app),
+        *_autoscaling(app),
+        *_usage(app),
         "# TYPE rtts_load_level gauge", f"rtts_load_level {int(app.governor.level)}",
         "# TYPE rtts_degraded gauge", f"rtts_degraded {int(app.degraded)}",
         "# TYPE rtts_governor_transitions_total counter",

@@ -65,6 +65,7 @@ class App(Service):
                              max_connections_per_client=config.max_connections_per_client,
                              trusted_proxies=config.trusted_proxies)
         self.wyoming: WyomingListener | None = None
+        self._drain_begun: asyncio.Task[None] | None = None
 
     # WebSocket upgrades by path: ElevenLabs' input-streaming sockets, Cartesia's and
     # Deepgram's speak sockets, else the native one.
@@ -145,6 +146,28 @@ class App(Service):
             self.job_worker = JobWorker(self, self.jobs, self.config.instance_id, slots)
             await self.job_worker.start()
 
+    def start_drain(self) -> None:
+        """Start the drain's first half (the admin API, and SIGTERM through
+        :meth:`drain_and_close`): :attr:`state` is draining from now on (``/readyz`` 503,
+        new streams and requests refused); the job worker stops, Wyoming stops accepting,
+        idle keep-alive connections close. Open sessions keep going."""
+        if self._drain_begun is None:
+            super().start_drain()
+            self._drain_begun = asyncio.create_task(self._begin_drain(), name="rtts-drain")
+
+    def sessions_left(self) -> int:
+        return self.busy_connections()
+
+    async def _begin_drain(self) -> None:
+        if self.job_worker is not None:
+            await self.job_worker.stop()
+        logger.info("draining %d connections and %d HTTP responses (grace %.1fs); /readyz "
+                    "answers 503 meanwhile", len(self.connections), self.http.busy,
+                    self.config.shutdown_grace_s)
+        if self.wyoming is not None:  # raw TCP: no readiness to answer, so stop accepting
+            await self.wyoming.close_listener()
+        self.http.shutdown()  # idle keep-alive connections reconnect (and get told)
+
     async def drain_and_close(self) -> None:
         """Graceful shutdown: refuse new work, let contexts and HTTP responses finish until
         the grace deadline, then close remaining connections with 1001 and stop the engine.
@@ -155,15 +178,9 @@ class App(Service):
         :attr:`state`), and the speech endpoints 503 (``authorize`` does). The listening
         socket closes only when the drain ends. The job worker stops first: its unfinished
         segments go to other workers."""
-        self.state, self.state_reason = State.DRAINING, "draining: shutting down"
-        if self.job_worker is not None:
-            await self.job_worker.stop()
-        logger.info("draining %d connections and %d HTTP responses (grace %.1fs); /readyz "
-                    "answers 503 meanwhile", len(self.connections), self.http.busy,
-                    self.config.shutdown_grace_s)
-        if self.wyoming is not None:  # raw TCP: no readiness to answer, so stop accepting
-            await self.wyoming.close_listener()
-        self.http.shutdown()  # idle keep-alive connections reconnect (and get told)
+        self.start_drain()
+        assert self._drain_begun is not None
+        await self._drain_begun
         deadline = time.monotonic() + self.config.shutdown_grace_s
         while self.busy_connections() and (left := deadline - time.monotonic()) > 0:
             self.activity.clear()

@@ -54,6 +54,9 @@ class AuthConfig:
     # and ElevenLabs' /v1/models and /v1/voices) answer without a key (Open WebUI asks for
     # them with none); a key that is presented is still checked
     public_listing: bool = False
+    # operator keys (``--admin-key``): the admin API (``/v1/admin/...``: drain) and
+    # nothing else; none configured, the admin API is off (403)
+    admin_keys: tuple[str, ...] = ()
 
     @staticmethod
     def keys_from_env() -> tuple[str, ...]:
@@ -150,6 +153,18 @@ class Authenticator:
         if known is not None and _same(known, presented):
             return kid
         return None
+
+    def check_admin(self, authorization: str | None) -> None:
+        """Raise :class:`AuthError` unless ``authorization`` is ``Bearer <admin key>``:
+        403 when no admin key is configured (the admin API is off), 401 otherwise."""
+        admins = self.config.admin_keys
+        if not admins:
+            raise AuthError(403, "the admin API is off: start rtts with --admin-key")
+        presented = (authorization[7:].strip() if authorization
+                     and authorization.lower().startswith("bearer ") else "")
+        # every key compared, in constant time each, so timing tells nothing
+        if not presented or not sum(_same(presented, k) for k in admins):
+            raise AuthError(401, "missing or invalid admin key")
 
     def issue_token(self, kid: str, now: float) -> str:
         body = _b64(orjson.dumps({"k": kid, "exp": int(now) + self.config.token_ttl_s}))

@@ -187,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", action="append", default=[],
                    help="require this key (repeatable; also RTTS_API_KEYS=k1,k2; default: "
                         "none, auth off)")
+    s.add_argument("--admin-key", action="append", default=[],
+                   help="operator key for the admin API (POST /v1/admin/drain); repeatable "
+                        "(default: none, the admin API is off)")
     s.add_argument("--allowed-origin", action="append", default=[],
                    help="browser Origin allowed to connect (repeatable; default any)")
     s.add_argument("--token-ttl", type=int, default=300, help="browser token lifetime, s")
@@ -300,7 +303,7 @@ SERVE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                                                      "gpu_mem"))),
     ("auth and quotas", ("api_key", "allowed_origin", "token_ttl", "token_secret",
                          "previous_token_secret", "max_sessions_per_key",
-                         "sessions_per_minute", "public_listing")),
+                         "sessions_per_minute", "public_listing", "admin_key")),
     ("phrase cache", ("cache_mb", "cache_redis", "cache_ttl")),
     ("long-text jobs", ("jobs", "jobs_redis", "jobs_dir", "jobs_concurrency", "jobs_claim_idle",
                         "jobs_rows_with_live", "jobs_max_upload_mb")),
@@ -412,6 +415,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_sessions_per_key=args.max_sessions_per_key,
             sessions_per_minute=args.sessions_per_minute,
             public_listing=args.public_listing,
+            admin_keys=tuple(dict.fromkeys(k for k in args.admin_key if k.strip())),
         ),
     )
 

@@ -40,7 +40,7 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 # Options whose values must never be echoed (help defaults, error messages).
-_SECRET_WORDS = ("secret", "password", "api_key", "token_secret")
+_SECRET_WORDS = ("secret", "password", "api_key", "token_secret", "admin_key")
 
 
 def is_secret(action: argparse.Action) -> bool:

@@ -92,7 +92,7 @@ class SpeechContext:
                  schedule: tuple[int, ...] = DEFAULT_SCHEDULE,
                  max_chunk_chars: int = DEFAULT_MAX_CHARS,
                  lookahead: int = 2, use_cache: bool = True, normalize: bool = True,
-                 background: bool = False) -> None:
+                 background: bool = False, account: str | None = None) -> None:
         self.service = service
         self.params = params
         self.sample_rate = service.engine.sample_rate
@@ -115,6 +115,12 @@ class SpeechContext:
         self._wakeup = asyncio.Event()
         self.engine = service.engine_for(params).name  # who speaks it (metrics per engine)
         service.stats.contexts_total += 1
+        # usage per key (rtts.core.usage): the key's owner id, None = anonymous; job
+        # contexts (background) are not counted
+        self.account = account
+        self._usage = None if background else service.usage
+        if self._usage is not None:
+            self._usage.context(account)
 
     # -- input -------------------------------------------------------------------------
 
@@ -177,6 +183,8 @@ class SpeechContext:
             self._pending.append((self._next_index, chunk, spoken, params or self._params))
             self._next_index += 1
         if chunks:
+            if self._usage is not None:
+                self._usage.characters(self.account, sum(len(c.text) for c in chunks))
             self._wakeup.set()
 
     def _release(self) -> None:
@@ -217,6 +225,9 @@ class SpeechContext:
         # (job contexts, in the background, are not live audio and count in neither).
         live = not self.background
         first_audio = live
+        usage, account, rate = self._usage, self.account, self.sample_rate
+        if live:
+            self.service.speaking += 1  # streams speaking now, every protocol (capacity)
         try:
             while not self._cancelled:
                 await self._submit_ahead()
@@ -251,6 +262,8 @@ class SpeechContext:
                             first_audio = False
                             stats.record_ttfa(self.engine,
                                               time.monotonic() - source.submitted_at)
+                        if usage is not None:
+                            usage.audio(account, len(samples) / rate)
                         yield Audio(index, samples, source.produced_at)
                 except RttsError as exc:
                     stats.segment_errors += 1
@@ -267,4 +280,6 @@ class SpeechContext:
                     stats.record_audio(self.engine, n / self.sample_rate)
                 yield SegmentDone(index, n, estimate(chunk.text, n * 1000 / self.sample_rate))
         finally:
+            if live:
+                self.service.speaking -= 1
             self._release()

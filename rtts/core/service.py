@@ -36,6 +36,7 @@ from rtts.core.context import SpeechContext
 from rtts.core.governor import Governor, GovernorConfig, Level, LoadSignals
 from rtts.core.params import SynthParams
 from rtts.core.scheduler import BACKGROUND, RequestStream, Scheduler, SchedulerConfig
+from rtts.core.usage import Usage, UsageFlusher
 from rtts.core.voices import Voice, VoiceStore
 from rtts.engines import build_engines
 from rtts.engines.base import Engine, SynthRequest
@@ -153,6 +154,12 @@ class Service:
         self.state = State.LOADING
         self.state_reason = "model loading"
         self.stats = Stats()
+        self.usage = Usage()  # per key, every protocol (rtts.core.usage)
+        # shared through the Redis the instance already uses (phrase cache, else jobs)
+        usage_redis = config.cache.redis_url or config.jobs.redis_url
+        self.usage_flusher = (UsageFlusher(self.usage, usage_redis)
+                              if usage_redis is not None else None)
+        self.speaking = 0  # live contexts whose events are being played, every protocol
         self.started_at = time.monotonic()
         self.activity = asyncio.Event()  # set when a context or connection ends (for drain)
         self.governor = Governor(_scaled_governor(config))
@@ -205,6 +212,8 @@ class Service:
         self.cache.engine_id = "+".join(getattr(e, "identity", e.name)
                                         for e in self.engines.values())
         await self.cache.start()
+        if self.usage_flusher is not None:
+            await self.usage_flusher.start()
         self._sampler = asyncio.create_task(self._sample_load(), name="rtts-governor")
         self.state, self.state_reason = State.READY, "ready"
 
@@ -220,6 +229,8 @@ class Service:
         for scheduler in self.schedulers.values():
             await scheduler.stop()
         await self.cache.close()
+        if self.usage_flusher is not None:
+            await self.usage_flusher.close()
         for engine in self._owned:
             await asyncio.to_thread(engine.close)
 
@@ -270,6 +281,32 @@ class Service:
 
     def active_contexts(self) -> int:
         return 0
+
+    def start_drain(self) -> None:
+        """Begin a graceful drain (the admin API's; the server adds its front-ends): new
+        work is refused, open work finishes."""
+        self.state, self.state_reason = State.DRAINING, "draining: shutting down"
+
+    def sessions_left(self) -> int:
+        """What a drain waits for: busy sessions (the server counts every front-end's)."""
+        return self.speaking
+
+    def capacity(self) -> tuple[int, str]:
+        """The streams this instance can speak at once, and where the figure comes from:
+        per engine, the real-time streams its decode steps measure (``measured``: ChatTTS
+        once it has run), else its scheduler's slots times its concurrency (``slots``:
+        fake, piper, ChatTTS before its first steps). Summed over the engines."""
+        total, sources = 0, set()
+        for name, engine in self.engines.items():
+            measured = (engine.info.kernels or {}).get("realtime_streams")
+            if isinstance(measured, int | float) and measured > 0:
+                total += int(measured)
+                sources.add("measured")
+            else:
+                sch = self.schedulers[name]
+                total += sch.slot_limit * max(1, sch.config.concurrency)
+                sources.add("slots")
+        return total, "+".join(sorted(sources))
 
     def job_counters(self) -> dict[str, float]:
         """This instance's job worker's counters (none without a worker)."""
@@ -340,14 +377,16 @@ class Service:
         return self.engine.sample_rate
 
     def open_context(self, params: SynthParams, *, owner: str | None = None,
-                     **options: Any) -> SpeechContext:
+                     account: str | None = None, **options: Any) -> SpeechContext:
         """A new :class:`~rtts.core.context.SpeechContext` on this service, with the
         server's ``lookahead`` and ``max_chunk_chars`` unless ``options`` say otherwise.
         The one place a named voice resolves (:meth:`VoiceStore.apply`, among the voices
         of ``owner``, the key's owner id, and the shared ones): once per context, so every
         segment of it uses the same speaker and params (and the cache keys them by the
-        speaker), whatever happens to the name meanwhile."""
+        speaker), whatever happens to the name meanwhile. Usage counts under ``account``
+        (the key's owner id; by default ``owner``; None: anonymous)."""
         options.setdefault("lookahead", self.config.lookahead_segments)
+        options["account"] = account if account is not None else owner
         options.setdefault("max_chunk_chars", self.config.limits.default_max_chunk_chars)
         return SpeechContext(self, self.voices.apply(params, owner), **options)
 

@@ -128,7 +128,7 @@ class _Context:
         assert gen.output_format is not None
         self.sock = sock
         self.cid = cid
-        self.speech = service.open_context(params)
+        self.speech = service.open_context(params, account=sock.account)
         self.encoder = encoder_for(gen.output_format, service.sample_rate)
         self.add_timestamps = gen.add_timestamps
         self.delay_ms = gen.max_buffer_delay_ms
@@ -242,9 +242,11 @@ class _Context:
 class _Socket:
     """One ``/tts/websocket`` connection: the reader, and one task per context."""
 
-    def __init__(self, endpoint: CartesiaEndpoints, ws: ServerConnection) -> None:
+    def __init__(self, endpoint: CartesiaEndpoints, ws: ServerConnection,
+                 account: str | None = None) -> None:
         self.endpoint = endpoint
         self.ws = ws
+        self.account = account  # whose usage its contexts count as (the key's owner id)
         self.contexts: dict[str, _Context] = {}
         self._tasks = OwnedTasks()
         self._closing = False
@@ -406,7 +408,8 @@ class CartesiaEndpoints:
         async with self.admission.session(ws) as principal:
             if principal is None:
                 return
-            await self.sockets.serve(_Socket(self, ws), self.service)
+            account = self.auth.owner(principal.kid) if principal.kid else None
+            await self.sockets.serve(_Socket(self, ws, account), self.service)
 
     def busy(self) -> int:
         return sum(1 for s in self.sockets if s.contexts)

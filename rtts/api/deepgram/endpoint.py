@@ -133,11 +133,12 @@ class _Socket:
     """One ``/v1/speak`` connection: the reader, and the task sending the stream's audio."""
 
     def __init__(self, endpoint: DeepgramEndpoints, ws: ServerConnection,
-                 opts: SpeakOptions, params: SynthParams) -> None:
+                 opts: SpeakOptions, params: SynthParams, account: str | None = None) -> None:
         self.endpoint = endpoint
         self.ws = ws
         self.opts = opts
         self.params = params
+        self.account = account  # whose usage its streams count as (the key's owner id)
         self.request_id = str(uuid.uuid4())
         self.speech: Any = None  # the SpeechContext of the stream, opened by the first Speak
         self.task: asyncio.Task[None] | None = None
@@ -241,7 +242,7 @@ class _Socket:
                 service.check_admission()
             except RttsError as exc:
                 raise _overloaded(exc.message) from None
-            self.speech = service.open_context(self.params)
+            self.speech = service.open_context(self.params, account=self.account)
             self.marks = FlushMarks()
             self.task = self._tasks.spawn(self._run_stream(self.speech), "rtts-deepgram-stream")
         self.marks.feed(text)
@@ -346,9 +347,11 @@ class DeepgramEndpoints:
             path = ws.request.path if ws.request is not None else ""
             opts = parse_options(_query(path))
             params = params_for(opts, self.service)
+            account = self.auth.owner(principal.kid) if principal.kid else None
             sock: _Socket | FluxSocket = (
-                FluxSocket(self, ws, opts, params) if path.split("?", 1)[0] == FLUX_PATH
-                else _Socket(self, ws, opts, params))
+                FluxSocket(self, ws, opts, params, account)
+                if path.split("?", 1)[0] == FLUX_PATH
+                else _Socket(self, ws, opts, params, account))
             await self.sockets.serve(sock, self.service)
 
     def busy(self) -> int:

@@ -27,6 +27,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rtts import __version__
+from rtts.api.admin import AdminEndpoints
 from rtts.api.auth import Authenticator
 from rtts.api.cartesia.endpoint import CartesiaEndpoints
 from rtts.api.deepgram.endpoint import DeepgramEndpoints
@@ -110,6 +111,7 @@ def build_http_app(service: Service, auth: Authenticator,
                   *eleven.routes(),
                   *CartesiaEndpoints(service, auth).routes(),
                   *DeepgramEndpoints(service, auth).routes(),
+                  *AdminEndpoints(service, auth).routes(),
                   *(JobEndpoints(service, auth, jobs).routes() if jobs is not None else [])]
     # /v1/voices and /v1/models are rtts's (or OpenAI's) and ElevenLabs' paths: a GET with
     # ElevenLabs' key header gets ElevenLabs' shapes

@@ -118,6 +118,7 @@ class SpeechContext:
         # usage per key (rtts.core.usage): the key's owner id, None = anonymous; job
         # contexts (background) are not counted
         self.account = account
+        self._counted_to = 0  # input characters counted so far (offsets of the input)
         self._usage = None if background else service.usage
         if self._usage is not None:
             self._usage.context(account)
@@ -184,7 +185,12 @@ class SpeechContext:
             self._next_index += 1
         if chunks:
             if self._usage is not None:
-                self._usage.characters(self.account, sum(len(c.text) for c in chunks))
+                # the input up to the end of the last segment, as written: what the client
+                # sent, the whitespace between segments included, trailing space not
+                end = max(c.end for c in chunks)
+                if end > self._counted_to:
+                    self._usage.characters(self.account, end - self._counted_to)
+                    self._counted_to = end
             self._wakeup.set()
 
     def _release(self) -> None:

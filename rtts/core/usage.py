@@ -7,8 +7,9 @@ issued for), or ``"anonymous"`` when no keys are configured. Accounts are theref
 bounded by the configured keys; as a backstop, past :data:`MAX_ACCOUNTS` distinct ones the
 rest count under ``"other"``.
 
-* **characters**: the characters of every segment queued for synthesis, as written (before
-  normalization); the whitespace between segments is not counted;
+* **characters**: the characters of the input, as written (before normalization), up to
+  the end of the last segment queued for synthesis: what the client sent, the whitespace
+  between segments included, whitespace after the last one not;
 * **audio_seconds**: the audio handed to the front-end (every chunk, so a cancelled
   stream counts what it got);
 * **contexts**: contexts opened (an HTTP request is one; a socket may open many).

@@ -241,3 +241,38 @@ async def test_admin_api_is_off_without_an_admin_key():
                                                method="POST", key="anything")
         assert status == 403 and body["error"]["code"] == "forbidden"
         assert app.state == "ready"
+
+
+async def test_usage_is_shared_by_instances_through_their_redis(redis_url):
+    """Two instances on one Redis (the phrase cache's): each flushes its deltas
+    (batched HINCRBY), and /v1/usage on either answers the sum."""
+    import redis.asyncio as aioredis
+
+    from rtts.core.cache import CacheConfig
+    from rtts.core.usage import REDIS_PREFIX
+
+    db = redis_url.rsplit("/", 1)[0] + "/7"
+    r = aioredis.Redis.from_url(db)
+    await r.flushdb()
+    cfg = base_config(auth=AuthConfig(api_keys=KEYS, token_secret=b"s" * 32),
+                      cache=CacheConfig(redis_url=db))
+    async with server(cfg, FakeEngine(ms_per_char=2)) as (one, _), \
+            server(cfg, FakeEngine(ms_per_char=2)) as (two, _):
+        key = KEYS[0]
+        n1, s1 = await _openai(bound_port(one), key, "First instance speaks. Twice.")
+        n2, s2 = await _openai(bound_port(two), key, "The second one, once.")
+        for app in (one, two):
+            assert app.usage_flusher is not None
+            await app.usage_flusher.flush()
+        owner = one.auth.owner(one.auth.key_from_value(key) or "")
+        assert owner == two.auth.owner(two.auth.key_from_value(key) or "")
+        raw = await r.hgetall(REDIS_PREFIX + str(owner))
+        assert int(raw[b"characters"]) == n1 + n2
+        for app in (one, two):
+            status, usage = await ahttp(bound_port(app), "/v1/usage", key=key)
+            assert status == 200 and usage["scope"] == "shared"
+            assert usage["characters"] == n1 + n2 and usage["contexts"] == 2
+            assert usage["audio_seconds"] == pytest.approx(s1 + s2, rel=0.01)
+        assert usage["instance"]["characters"] == n2  # this instance's own part
+    await r.flushdb()
+    await r.aclose()

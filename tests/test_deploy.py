@@ -1,6 +1,8 @@
 """The Kubernetes manifests agree with the server they deploy (paths, port, drain, metric)."""
 
+import os
 from pathlib import Path
+from unittest import mock
 
 import yaml
 
@@ -25,9 +27,19 @@ def test_probes_port_and_drain_match_the_server():
     args = build_parser().parse_args(c["args"])
     cfg = config_from_args(args)
     assert cfg.port == c["ports"][0]["containerPort"] and cfg.host == "0.0.0.0"
-    # SIGTERM arrives after preStop; the drain must finish inside the grace period
-    pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
-    assert pre_stop + cfg.shutdown_grace_s + cfg.close_timeout_s < dep[
+    # preStop is `sleep N && rtts drain --wait M` (the admin API's drain, its key from a
+    # Secret); SIGTERM arrives after it, and everything must fit in the grace period
+    script = c["lifecycle"]["preStop"]["exec"]["command"][-1].split()
+    sleep, drain = script[:script.index("&&")], script[script.index("rtts"):]
+    assert sleep[0] == "sleep" and drain[:2] == ["rtts", "drain"]
+    drain_args = build_parser().parse_args(drain[1:])
+    env = {e["name"]: e for e in c["env"]}
+    assert "secretKeyRef" in env["RTTS_ADMIN_KEY"]["valueFrom"]  # the server's --admin-key
+    with mock.patch.dict(os.environ, {"RTTS_ADMIN_KEY": "a" * 24}):
+        assert config_from_args(build_parser().parse_args(c["args"])).auth.admin_keys == (
+            "a" * 24,)
+    assert drain_args.url.endswith(f":{cfg.port}")
+    assert int(sleep[1]) + drain_args.wait + cfg.shutdown_grace_s + cfg.close_timeout_s < dep[
         "terminationGracePeriodSeconds"]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -145,6 +146,7 @@ async def test_usage_per_key_matches_what_each_key_sent_over_three_protocols():
             status, usage = await ahttp(port, "/v1/usage", key=key)
             assert status == 200, usage
             assert usage["key"] == ids[key] and usage["scope"] == "instance"
+            assert usage["key_id"] == app.auth.key_from_value(key)
             assert usage["characters"] == chars
             assert usage["contexts"] == len(sent[key])
             assert usage["audio_seconds"] == pytest.approx(audio, rel=0.01)
@@ -276,3 +278,38 @@ async def test_usage_is_shared_by_instances_through_their_redis(redis_url):
         assert usage["instance"]["characters"] == n2  # this instance's own part
     await r.flushdb()
     await r.aclose()
+
+
+async def test_rtts_drain_command_as_a_prestop_hook_on_a_real_process(tmp_path):
+    """`rtts serve --admin-key` in its own process; `rtts drain` (what the preStop runs,
+    key from RTTS_ADMIN_KEY) returns 0 once the live stream has finished, the server
+    still up and not ready; a wrong key exits 2."""
+    import subprocess
+    import sys
+
+    from procs import free_port, start_rtts
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    drain = [sys.executable, "-m", "rtts", "drain", "--url", base, "--wait", "30"]
+    with start_rtts(["--engine", "fake", "--fake-rtf", "0.5", "--shutdown-grace", "5"], port,
+                    tmp_path / "serve.log", env={"RTTS_ADMIN_KEY": ADMIN}):
+        wrong = await asyncio.to_thread(subprocess.run, [*drain, "--admin-key", "nope"],
+                                        capture_output=True, text=True, timeout=30)
+        assert wrong.returncode == 2 and "401" in wrong.stderr
+        async with connect(f"ws://127.0.0.1:{port}/v1/stream", max_size=None) as ws:
+            c = Client(ws)
+            await c.until("ready")
+            await c.send(type="start", context_id="a")
+            await c.send(type="text", context_id="a", text="Finish this one, please. " * 2)
+            await c.send(type="end", context_id="a")
+            await c.until("segment_started", "a")
+            proc = await asyncio.create_subprocess_exec(
+                *drain, env={**os.environ, "RTTS_ADMIN_KEY": ADMIN},
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            await c.until("done", "a", timeout=30)
+            out, err = await asyncio.wait_for(proc.communicate(), 40)
+            assert proc.returncode == 0, (out, err)
+            assert b"0 sessions left" in out
+        status, text = await ahttp(port, "/readyz")
+        assert status == 503 and "draining" in text

@@ -51,6 +51,9 @@ class AdminEndpoints:
                   if service.usage_flusher is not None else None)
         body: dict[str, Any] = {
             "key": account or "anonymous",
+            # the key id (its job queue is rtts:jobs:queue:<key_id>; stable across
+            # instances and restarts with a shared --token-secret)
+            "key_id": kid,
             "scope": "shared" if shared is not None else "instance",
             **(shared or local).as_dict(),
             "instance": {"id": service.config.instance_id, **local.as_dict()}}

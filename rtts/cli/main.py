@@ -277,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--fix", action="store_true",
                    help="move aside torchaudio's CUDA-linked libraries when torch has no CUDA")
 
+    from rtts.cli.drain import add_drain_parser
+
+    add_drain_parser(sub)
+
     from rtts.bench.main import add_parser
 
     add_parser(sub)
@@ -572,6 +576,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.bench_mode == "realtime":
             return run(args)
         return run_bench(args)
+    if args.command == "drain":
+        from rtts.cli.drain import run_drain
+
+        return run_drain(args)
     if args.command == "doctor":
         from rtts.cli.doctor import run_doctor
 

@@ -215,7 +215,8 @@ class Service:
         if self.usage_flusher is not None:
             await self.usage_flusher.start()
         self._sampler = asyncio.create_task(self._sample_load(), name="rtts-governor")
-        self.state, self.state_reason = State.READY, "ready"
+        if self.state != State.DRAINING:  # a drain asked for while loading stays
+            self.state, self.state_reason = State.READY, "ready"
 
     async def stop_sampling(self) -> None:
         if self._sampler is not None:

@@ -25,14 +25,21 @@ TTFA p95 passes ``RTTS_KNEE_TTFA_MS`` (default 1000) or whose stall ratio passes
 ``RTTS_KNEE_STALL`` (default 0.01); it is marked. (The per-step table is kept by this
 process, so it needs the local runner, not ``--master``/``--worker``.)
 
+Every turn is synthesized afresh, so the phrase cache does not answer the repeats: the
+native context asks ``"cache": false``, the OpenAI request names a new ``seed:N`` voice
+each turn (OpenAI's body has no cache switch). ``RTTS_LOAD_CACHE=1`` lets the cache
+answer (and the OpenAI users then speak ``RTTS_LOAD_VOICE``).
+
 Settings (environment): ``RTTS_API_KEY`` (sent as ``Authorization: Bearer``),
-``RTTS_LOAD_TEXT`` (the text of a turn), ``RTTS_LOAD_VOICE`` (default ``alloy``).
+``RTTS_LOAD_TEXT`` (the text of a turn), ``RTTS_LOAD_VOICE`` (with the cache allowed, or
+set explicitly: the OpenAI users' voice; default ``alloy``), ``RTTS_LOAD_CACHE``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import threading
 import time
 from typing import Any
@@ -43,7 +50,8 @@ from locust import HttpUser, LoadTestShape, User, between, events, task
 TEXT = os.environ.get("RTTS_LOAD_TEXT",
                       "The quick brown fox jumps over the lazy dog. It was a bright cold "
                       "day in April, and the clocks were striking thirteen.")
-VOICE = os.environ.get("RTTS_LOAD_VOICE", "alloy")
+VOICE = os.environ.get("RTTS_LOAD_VOICE")
+CACHE = os.environ.get("RTTS_LOAD_CACHE", "0").lower() in ("1", "true", "yes")
 KEY = os.environ.get("RTTS_API_KEY")
 RATE = 24000
 HEADER_BYTES = 12  # the native binary frame's header (docs/protocols/native.md)
@@ -120,7 +128,8 @@ class NativeStreamUser(User):
         self.turn += 1
         cid = f"t{self.turn}"
         started = time.monotonic()
-        self.ws.send(json.dumps({"type": "start", "context_id": cid, "sample_rate": RATE}))
+        self.ws.send(json.dumps({"type": "start", "context_id": cid, "sample_rate": RATE,
+                                 "cache": CACHE}))
         listener = Listener(time.monotonic())
         self.ws.send(json.dumps({"type": "text", "context_id": cid, "text": TEXT}))
         self.ws.send(json.dumps({"type": "end", "context_id": cid}))
@@ -158,11 +167,13 @@ class OpenAISpeechUser(HttpUser):
     @task
     def speech(self) -> None:
         headers = {"Authorization": f"Bearer {KEY}"} if KEY else {}
+        # a new speaker each turn unless the cache may answer: no two requests alike
+        voice = VOICE or ("alloy" if CACHE else f"seed:{random.randrange(1, 10**9)}")
         listener = Listener(time.monotonic())
         error = None
         with self.client.post("/v1/audio/speech", headers=headers, stream=True,
                               catch_response=True, name="/v1/audio/speech",
-                              json={"model": "tts-1", "voice": VOICE, "input": TEXT,
+                              json={"model": "tts-1", "voice": voice, "input": TEXT,
                                     "response_format": "pcm"}) as resp:
             if resp.status_code != 200:
                 error = f"HTTP {resp.status_code}: {resp.text[:200]}"

@@ -313,3 +313,32 @@ async def test_rtts_drain_command_as_a_prestop_hook_on_a_real_process(tmp_path):
             assert b"0 sessions left" in out
         status, text = await ahttp(port, "/readyz")
         assert status == 503 and "draining" in text
+
+
+def test_capacity_rule_measured_when_steps_are_timed_else_slots():
+    """The capacity is the engine's measured real-time streams once it has timed steps
+    (0 included: not even one stream keeps up), else its slots."""
+    from rtts.config import ServerConfig
+    from rtts.core.service import Service
+
+    class Measured(FakeEngine):
+        kernels: dict[str, Any] = {}
+
+        @property
+        def info(self):  # type: ignore[override]
+            return replace(super().info, kernels=self.kernels)
+
+    engine = Measured()
+    service = Service(ServerConfig(), engine, own_engine=False)
+    slots = service.scheduler.slot_limit
+    assert service.capacity() == (slots, "slots")
+    engine.kernels = {"realtime_streams": 0}  # nothing timed yet
+    assert service.capacity() == (slots, "slots")
+    engine.kernels = {"realtime_streams": 3, "step_ms": {1: 20.0, 3: 21.0}}
+    assert service.capacity() == (3, "measured")
+    engine.kernels = {"realtime_streams": 0, "step_ms": {1: 90.0}}
+    assert service.capacity() == (0, "measured")
+    service.speaking = 1
+    from rtts.metrics import render_metrics
+    text = render_metrics(service)
+    assert "rtts_capacity_utilization 1.0000" in text and "rtts_capacity_free_streams 0" in text

@@ -295,12 +295,14 @@ class Service:
     def capacity(self) -> tuple[int, str]:
         """The streams this instance can speak at once, and where the figure comes from:
         per engine, the real-time streams its decode steps measure (``measured``: ChatTTS
-        once it has run), else its scheduler's slots times its concurrency (``slots``:
-        fake, piper, ChatTTS before its first steps). Summed over the engines."""
+        once steps have been timed; it may be 0: not even one stream keeps up), else its
+        scheduler's slots times its concurrency (``slots``: fake, piper, ChatTTS before
+        its first steps). Summed over the engines."""
         total, sources = 0, set()
         for name, engine in self.engines.items():
-            measured = (engine.info.kernels or {}).get("realtime_streams")
-            if isinstance(measured, int | float) and measured > 0:
+            kernels = engine.info.kernels or {}
+            measured = kernels.get("realtime_streams")
+            if isinstance(measured, int | float) and kernels.get("step_ms"):
                 total += int(measured)
                 sources.add("measured")
             else:

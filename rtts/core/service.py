@@ -133,6 +133,9 @@ class SegmentRecorder:
         if isinstance(stream, RequestStream) and stream.request.cancelled.is_set():
             return
         self._cache.put(self._key, np.concatenate(self._parts))
+        if isinstance(stream, RequestStream) and stream.request.produced is not None \
+                and stream.request.produced.frames:
+            self._cache.put_sample(self._key, stream.request.produced)
 
 
 class Service:
@@ -358,7 +361,7 @@ class Service:
         degraded = self.degraded
         key = self.cache.key(text, params, degraded) if use_cache else None
         if key is not None and (hit := await self.cache.get(key)) is not None:
-            return CachedStream(hit), None
+            return CachedStream(hit, self.cache.sample(key)), None
         priority = BACKGROUND if background else 0 if first else 1
         request = SynthRequest(text, params, priority=priority, degraded=degraded)
         try:

@@ -377,16 +377,8 @@ class ChatTTSEngine:
         groups += [([k], r.params.sample) for k, r in enumerate(batch)
                    if r.params.sample is not None]
         for rows, sample in groups:
-            prompts: list[str] = []
-            for k in rows:
-                r = batch[k]
-                spk = None if r.params.voice == NO_SPEAKER else "spk"
-                prompts += chat.speaker.decorate_code_prompts(
-                    [texts[k]], f"[speed_{r.params.speed}]",
-                    None if sample is None else sample.text, spk)
-            input_ids, attention_mask, text_mask = chat.tokenizer.encode(
-                prompts, num_vq, prompt=None if sample is None else self._sample_codes(sample),
-                device=chat.device_gpt)
+            input_ids, attention_mask, text_mask = self._encode(
+                [batch[k] for k in rows], [texts[k] for k in rows], sample)
             emb = chat.embed(input_ids, text_mask)
             for j, k in enumerate(rows):
                 voice = self._voice_tensor(batch[k].params.voice)
@@ -405,6 +397,28 @@ class ChatTTSEngine:
                 min_tokens=limit if fixed else 0, temperature=p.temperature, top_p=p.top_P,
                 top_k=p.top_K, seed=p.seed, penalty=p.repetition_penalty, tag=r))
         return specs
+
+    def _encode(self, rows: Sequence[SynthRequest], texts: Sequence[str],
+                sample: SpeakerSample | None) -> tuple[Any, Any, Any]:
+        """ChatTTS's tokenizer over the decorated prompts of ``rows`` (all with ``sample``
+        or all without): ``(input_ids (B, T, num_vq), attention_mask, text_mask)``."""
+        chat = self.chat
+        prompts: list[str] = []
+        for r, text in zip(rows, texts, strict=True):
+            spk = None if r.params.voice == NO_SPEAKER else "spk"
+            prompts += chat.speaker.decorate_code_prompts(
+                [text], f"[speed_{r.params.speed}]", None if sample is None else sample.text,
+                spk)
+        return chat.tokenizer.encode(  # type: ignore[no-any-return]
+            prompts, chat.config.gpt.num_vq,
+            prompt=None if sample is None else self._sample_codes(sample),
+            device=chat.device_gpt)
+
+    def prompt_tokens(self, request: SynthRequest) -> Any:
+        """The ``(T, num_vq)`` prompt token ids of ``request`` as it would join a batch
+        (tests and debugging: what a row is conditioned on)."""
+        ids, mask, _ = self._encode([request], self._texts([request]), request.params.sample)
+        return ids[0][mask[0].bool()]
 
     def batch(self, slots: int) -> BatchedGpt:
         """An empty continuous batch of ``slots`` rows over the loaded GPT."""

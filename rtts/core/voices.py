@@ -71,8 +71,8 @@ from rtts.core.speaker import decode_speaker as _decode_bounded
 from rtts.errors import ProtocolError, RttsError
 
 __all__ = ["BUILTIN_VOICES", "NAME_RE", "PARAM_KEYS", "Voice", "VoiceError", "VoiceStore",
-           "check_name", "check_sample", "check_speaker", "decode_speaker", "default_voices_dir",
-           "parse_params"]
+           "check_name", "check_sample", "check_speaker", "decode_speaker",
+           "default_voices_dir", "parse_params", "sample_json"]
 
 logger = logging.getLogger("rtts.core.voices")
 
@@ -127,8 +127,7 @@ class Voice:
         out = {"name": self.name, "speaker": self.speaker, "seed": self.seed,
                "params": dict(self.params), "created_at": self.created_at}
         if self.sample is not None:
-            out["sample"] = {"codes": encode_codes(self.sample.codes, self.sample.num_vq),
-                             "text": self.sample.text}
+            out["sample"] = sample_json(self.sample)
         return out
 
     def describe(self) -> dict[str, Any]:
@@ -216,6 +215,11 @@ def check_speaker(speaker: Any, validate: Callable[[str], None] | None = None) -
             message = exc.message if isinstance(exc, ProtocolError) else str(exc)
             raise VoiceError(f"speaker: {message}", param="speaker") from None
     return speaker
+
+
+def sample_json(sample: SpeakerSample) -> dict[str, str]:
+    """A sample as a voice file (and a create request) holds it."""
+    return {"codes": encode_codes(sample.codes, sample.num_vq), "text": sample.text}
 
 
 def check_sample(obj: Any) -> SpeakerSample:
@@ -392,16 +396,7 @@ class VoiceStore:
         if not isinstance(body, dict):
             raise VoiceError("the request body must be a JSON object")
         name = check_name(body.get("name"))
-        if name in _BUILTINS or name in self._engine_voices or name in self.reserved:
-            raise VoiceError(f"{name!r} is a built-in voice name", status=409, param="name")
-        if self.directory is None:
-            raise VoiceError("this server has no voices directory", status=403)
-        if owner is not None:
-            if self._path(name).exists():
-                raise VoiceError(f"{name!r} is a shared voice name", status=409, param="name")
-            if len(self._names(owner)) >= self.max_per_owner:
-                raise VoiceError(f"at most {self.max_per_owner} voices per key; delete one "
-                                 "first", status=403, param="name", api_code="voice_limit")
+        self.check_new(name, owner)
         voice = voice_from_json({**body, "created_at": time.time() if now is None else now})
         if voice.speaker is not None:
             check_speaker(voice.speaker, validate)
@@ -414,6 +409,23 @@ class VoiceStore:
             raise VoiceError(f"cannot store the voice: {exc.strerror or exc}",
                              status=500) from None
         return self._stamp(voice)
+
+    def check_new(self, name: str, owner: str | None = None) -> None:
+        """Whether ``owner`` may create ``name`` now (before costly work, e.g. encoding an
+        uploaded clip); :class:`VoiceError` otherwise. :meth:`create` checks again."""
+        check_name(name)
+        if name in _BUILTINS or name in self._engine_voices or name in self.reserved:
+            raise VoiceError(f"{name!r} is a built-in voice name", status=409, param="name")
+        if self.directory is None:
+            raise VoiceError("this server has no voices directory", status=403)
+        if owner is not None:
+            if self._path(name).exists():
+                raise VoiceError(f"{name!r} is a shared voice name", status=409, param="name")
+            if len(self._names(owner)) >= self.max_per_owner:
+                raise VoiceError(f"at most {self.max_per_owner} voices per key; delete one "
+                                 "first", status=403, param="name", api_code="voice_limit")
+        if self._path(name, owner).exists():
+            raise VoiceError(f"a voice named {name!r} exists", status=409, param="name")
 
     def _write_new(self, voice: Voice, owner: str | None = None) -> None:
         """Write to a temporary file, then link it to its name: atomic, and exclusive (a

@@ -246,3 +246,31 @@ async def test_bad_uploads_get_4xx_and_store_nothing(tmp_path):
                                             ctype=ctype)
         assert status == 400
         assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+async def test_save_voice_from_a_context_the_server_spoke(tmp_path):
+    async with server(base_config(voices_dir=tmp_path)) as (app, url):
+        async with client(url) as c:
+            await c.send(type="save_voice", context_id="a", name="early")
+            err = await c.until("error")
+            assert err["code"] == "unknown_context"
+            await c.send(type="start", context_id="a", voice="seed:42")
+            await c.send(type="text", context_id="a", text="First part here. Then more.")
+            await c.send(type="end", context_id="a")
+            await c.until("done", "a")
+            await c.send(type="save_voice", context_id="a", name="mine")
+            saved = await c.until("voice_saved", "a")
+            assert saved["voice"]["name"] == "mine" and saved["voice"]["seed"] == 42
+            assert saved["voice"]["sample"]["text"] == "First part here."
+            await c.send(type="save_voice", context_id="a", name="mine")  # exists
+            err = await c.until("error", "a")
+            assert "exists" in err["message"]
+            await c.send(type="save_voice", context_id="a", name="Bad Name")
+            err = await c.until("error", "a")
+            assert err["code"] == "invalid_params"
+        stored = json.loads((tmp_path / "mine.json").read_text())
+        assert stored["seed"] == 42 and stored["sample"]["text"] == "First part here."
+        params = app.voices.apply(SynthParams(voice="mine"))
+        assert params.voice == "seed:42" and params.sample is not None
+        assert params.sample.text == "First part here."
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json"]

@@ -274,3 +274,43 @@ async def test_save_voice_from_a_context_the_server_spoke(tmp_path):
         assert params.voice == "seed:42" and params.sample is not None
         assert params.sample.text == "First part here."
         assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json"]
+
+
+def test_openai_instructions_map_onto_the_refine_prompt():
+    from rtts.api.openai import refine_from_instructions
+
+    assert refine_from_instructions(None) == {} == refine_from_instructions("Speak.")
+    assert refine_from_instructions("Speak in a cheerful, casual tone with pauses.") == {
+        "laugh": 1, "oral": 6, "breaks": 5}
+    assert refine_from_instructions("Laughing, formal and brisk") == {
+        "laugh": 2, "oral": 0, "breaks": 1}
+    assert refine_from_instructions("use [oral_3][break_4] please, cheerful") == {
+        "oral": 3, "breaks": 4}
+    assert refine_from_instructions("[laugh_9]") == {}  # out of range: ignored
+    assert SynthParams(**refine_from_instructions("slowly")).refine_prompt == "[break_5]"
+
+
+def test_elevenlabs_voice_settings_map_where_they_map():
+    from rtts.api.elevenlabs import ElevenError, settings_of
+
+    assert settings_of(None) == {"speed": 5}
+    got = settings_of({"stability": 0.5, "similarity_boost": 0.75, "style": 0.0,
+                       "use_speaker_boost": True, "speed": 1.0})
+    assert got == {"speed": 5, "temperature": 0.3}
+    got = settings_of({"stability": 1.0, "similarity_boost": 0, "style": 0.5})
+    assert got == {"speed": 5, "temperature": 0.05, "anchor": False, "oral": 4}
+    SynthParams(**got)  # valid params
+    for bad in ({"stability": 2}, {"style": -0.1}, {"similarity_boost": "x"}):
+        with pytest.raises(ElevenError):
+            settings_of(bad)
+
+
+async def test_anchor_is_a_tts_query_option():
+    async with server() as (app, _):
+        base = f"http://127.0.0.1:{bound_port(app)}/v1/tts?text=Hi%20there.&format=pcm16"
+        status, _ = await asyncio.to_thread(call, base + "&anchor=false&oral=2")
+        assert status == 200
+        status, err = await asyncio.to_thread(call, base + "&anchor=maybe")
+        assert status == 400 and "anchor" in err["error"]["message"]
+        status, err = await asyncio.to_thread(call, base + "&laugh=5")
+        assert status == 400 and "laugh" in err["error"]["message"]

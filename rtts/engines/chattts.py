@@ -107,6 +107,7 @@ class ChatTTSEngine:
     continuous = True  # serve(): requests join the running batch
     bake_weight_norm = True
     select_kernels = True  # measure and install the GPT's linear kernels (kernels.py)
+    samples = True  # conditions rows on samples, reports each request's codes (anchoring)
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -141,7 +142,7 @@ class ChatTTSEngine:
                 steps, self.decode_s_per_audio_s, self.config.batch_rows)
         return EngineInfo(self.name, self.sample_rate, device=self.device,
                           continuous=self.continuous, weights=dict(self.weights),
-                          kernels=kern, samples=True, **self._scheduling())
+                          kernels=kern, samples=self.samples, **self._scheduling())
 
     def _scheduling(self) -> dict[str, Any]:
         """The scheduler shape this engine needs (none: the server's settings)."""
@@ -575,6 +576,9 @@ class StockChatTTSEngine(ChatTTSEngine):
     continuous = False
     bake_weight_norm = False  # the Chat exactly as ChatTTS builds it
     select_kernels = False
+    # a sample voice's sample is passed on (spk_smp/txt_smp), but no request's codes come
+    # back, so contexts do not anchor on it (the baseline keeps its lookahead)
+    samples = False
 
     def batch_key(self, params: SynthParams) -> Hashable:
         return object()  # never batch

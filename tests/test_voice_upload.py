@@ -126,14 +126,13 @@ def test_trim_sample_bounds_codes_and_text():
 
 
 async def _segments(app, text, **params):
+    """Speak ``text`` in one context to its end; the context (its anchor) after."""
     ctx = app.open_context(SynthParams(**params), use_cache=False, schedule=(8,))
     ctx.feed(text)
     ctx.end()
-    seen = []
     async for _ in ctx.events():
         pass
-    seen = ctx
-    return seen
+    return ctx
 
 
 async def test_later_segments_carry_the_first_segments_codes():
@@ -156,6 +155,25 @@ async def test_later_segments_carry_the_first_segments_codes():
         submitted.clear()
         await _segments(app, text, voice="seed:3", anchor=False)
         assert len(submitted) == 3 and all(p.sample is None for p in submitted)
+
+
+async def test_cancel_while_later_segments_wait_for_the_anchor():
+    engine = FakeEngine(ms_per_char=20, chunk_ms=50, rtf=1.0)
+    async with server(engine=engine) as (app, _):
+        ctx = app.open_context(SynthParams(voice="seed:3"), use_cache=False, schedule=(8,))
+        ctx.feed("First one here, a little longer. Second one now. And a third.")
+        ctx.end()
+        events = ctx.events()
+        async for event in events:
+            if type(event).__name__ == "Audio":
+                break
+        assert ctx.anchor is None and ctx._anchor_source is not None  # waiting for it
+        ctx.cancel()
+        await events.aclose()
+        assert ctx._kick is None
+        # a fresh context after it works, anchored
+        done = await _segments(app, "One here. Two here.", voice="seed:3")
+        assert done.anchor is not None and done.finished
 
 
 # -- over HTTP -----------------------------------------------------------------------------

@@ -261,15 +261,41 @@ VOICES_OPENAPI: Final[dict[str, Any]] = {
     "/v1/voices": {
         "get": {"summary": "named voices (built-in and stored)",
                 "responses": {"200": {"description": "voices"}}},
-        "post": {"summary": "create a named voice from a seed or a ChatTTS speaker string",
-                 "requestBody": {"required": True, "content": {"application/json": {
-                     "schema": {"type": "object", "required": ["name"], "properties": {
-                         "name": {"type": "string", "pattern": "^[a-z0-9][a-z0-9_-]{0,63}$"},
-                         "seed": {"type": "integer", "minimum": 0},
-                         "speaker": {"type": "string"},
-                         "params": {"type": "object"}}}}}},
+        "post": {"summary": "create a named voice from a seed, a ChatTTS speaker string, a "
+                            "sample, or an audio clip and its transcript",
+                 "requestBody": {"required": True, "content": {
+                     "application/json": {"schema": {
+                         "type": "object", "required": ["name"], "properties": {
+                             "name": {"type": "string",
+                                      "pattern": "^[a-z0-9][a-z0-9_-]{0,63}$"},
+                             "seed": {"type": "integer", "minimum": 0},
+                             "speaker": {"type": "string"},
+                             "sample": {"type": "object", "properties": {
+                                 "codes": {"type": "string"}, "text": {"type": "string"}}},
+                             "audio": {"type": "string", "format": "byte",
+                                       "description": "a clip (any common format), base64"},
+                             "transcript": {"type": "string", "maxLength": 400},
+                             "params": {"type": "object"}}}},
+                     "multipart/form-data": {"schema": {
+                         "type": "object", "required": ["name", "audio"], "properties": {
+                             "name": {"type": "string"},
+                             "transcript": {"type": "string"},
+                             "audio": {"type": "string", "format": "binary"}}}}}},
                  "responses": {"201": {"description": "created"}, "400": _ERR,
-                               "409": _ERR}}},
+                               "409": _ERR, "413": _ERR}}},
+    "/v1/voices/add": {
+        "post": {"summary": "ElevenLabs' instant voice cloning: a voice from a clip",
+                 "requestBody": {"required": True, "content": {"multipart/form-data": {
+                     "schema": {"type": "object", "required": ["name", "files"],
+                                "properties": {
+                                    "name": {"type": "string"},
+                                    "files": {"type": "array", "items": {
+                                        "type": "string", "format": "binary"}},
+                                    "description": {"type": "string"},
+                                    "labels": {"type": "string"},
+                                    "transcript": {"type": "string"}}}}}},
+                 "responses": {"200": {"description": "{voice_id}"}, "400": _ERR,
+                               "409": _ERR, "413": _ERR}}},
     "/v1/voices/{name}": {
         "parameters": [{"name": "name", "in": "path", "required": True,
                         "schema": {"type": "string"}}],

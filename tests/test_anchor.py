@@ -165,3 +165,59 @@ def _packed(sample: SpeakerSample) -> str:
     packed = encode_codes(sample.codes, sample.num_vq)
     assert decode_codes(packed, max_frames=1000) == (sample.codes, sample.num_vq)
     return packed
+
+
+async def test_uploaded_clip_on_one_server_gives_identical_prompts_on_another(
+        tiny_checkpoint: Path, tmp_path: Path):
+    """A WAV through ``POST /v1/voices`` on server A (PyAV decode, ChatTTS's DVAE encoder);
+    server B, sharing the voices directory, resolves it to the same sample and prompt."""
+    import asyncio
+    import base64
+    import io
+    import json
+    import urllib.request
+
+    import av
+
+    from helpers import base_config, client, server
+    from rtts.server import bound_port
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="wav") as c:
+        stream = c.add_stream("pcm_s16le", rate=16000, layout="mono")
+        t = np.arange(32000) / 16000
+        pcm = (0.3 * np.sin(2 * np.pi * 200 * t) * 32767).astype(np.int16)
+        frame = av.AudioFrame.from_ndarray(pcm[None], format="s16", layout="mono")
+        frame.sample_rate = 16000
+        for p in [*stream.encode(frame), *stream.encode(None)]:
+            c.mux(p)
+
+    def engine() -> ChatTTSEngine:
+        return ChatTTSEngine(EngineConfig(source="custom", model_dir=tiny_checkpoint,
+                                          threads=2, kernels="linear"))
+
+    cfg = base_config(voices_dir=tmp_path)
+    async with server(cfg, engine()) as (a, _), server(cfg, engine()) as (b, url_b):
+        body = json.dumps({"name": "clip", "transcript": "Hello there.",
+                           "audio": base64.b64encode(buf.getvalue()).decode()}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{bound_port(a)}/v1/voices", body,
+                                     {"Content-Type": "application/json"})
+        with await asyncio.to_thread(urllib.request.urlopen, req, timeout=30) as r:
+            assert r.status == 201
+            described = json.loads(r.read())
+        assert 1.9 < described["sample"]["seconds"] < 2.1
+        pa = a.voices.apply(SynthParams(voice="clip", seed=3))
+        pb = b.voices.apply(SynthParams(voice="clip", seed=3))
+        assert pa == pb and pa.sample is not None and pa.voice == NO_SPEAKER
+        req_a, req_b = (SynthRequest("Speak like this.", p) for p in (pa, pb))
+        ta, tb = a.engine.prompt_tokens(req_a), b.engine.prompt_tokens(req_b)
+        assert np.array_equal(ta.numpy(), tb.numpy())
+        frames = pa.sample.frames
+        assert np.array_equal(ta[-frames:].numpy(),
+                              np.frombuffer(pa.sample.codes, "<u2").reshape(4, -1).T)
+        async with client(url_b) as c:  # and B speaks with it
+            await c.send(type="start", context_id="x", voice="clip", seed=3)
+            await c.send(type="text", context_id="x", text="Speak like this.")
+            await c.send(type="end", context_id="x")
+            await c.until("done", "x", timeout=60)
+            assert not c.got.of("error")

@@ -212,6 +212,9 @@ class SpeechContext:
             self._wakeup.set()
 
     def _release(self) -> None:
+        if self._anchor_source is not None:
+            self._anchor_source.on_finish = None  # cancelled below: nothing to submit after
+            self._anchor_source = None
         if self._kick is not None:
             self._kick.cancel()
             self._kick = None

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.chattts
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint: Path) -> ChatTTSEngine:
     eng = ChatTTSEngine(EngineConfig(source="custom", model_dir=tiny_checkpoint, threads=2,
-                                     stream_tokens=8, dtype="fp32"))
+                                     stream_tokens=8, dtype="fp32", kernels="linear"))
     eng.load()
     return eng
 

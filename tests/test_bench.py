@@ -124,11 +124,19 @@ async def test_realtime_bench_reports_what_each_listener_heard(tiny_checkpoint: 
         "bench", "realtime", "--model-dir", str(tiny_checkpoint), "--streams", "1,2",
         "--dtypes", "fp32,int8", "--tokens", "16", "--stock-max-streams", "1",
         "--bandwidth-mb", "32", "--steps", "4", "--rows", "2", "--threads", "2",
-        "--text", "One short sentence. And a second one."])
+        "--anchor", "both", "--text", "One short sentence. And a second one."])
     out = await bench_realtime(args)
     assert out["read_bandwidth_gb_s"] > 0 and out["prebuffer_s"] == 0.3
     assert set(out["runs"]) == {"rtts-fp32@1", "rtts-fp32@2", "rtts-int8@1", "rtts-int8@2",
-                                "stock@1"}
+                                "rtts-fp32-noanchor@1", "rtts-fp32-noanchor@2",
+                                "rtts-int8-noanchor@1", "rtts-int8-noanchor@2", "stock@1"}
+    for name in ("rtts-fp32", "rtts-int8"):  # anchored rows prefill the sample too
+        for cost in out["anchor_cost"][name].values():
+            frames = int(3.0 * 24000 / 512)  # the codes, plus the sample's text tokens
+            assert cost["anchored"]["prompt_tokens"] > cost["plain"]["prompt_tokens"] + frames
+            assert cost["anchored"]["prefill_ms"] > 0 and cost["anchored"]["step_ms"] > 0
+    for [run] in out["runs"].values():
+        assert run["next_segment_gap_max_s"] >= run["next_segment_gap_median_s"] >= 0
     for key, [run] in out["runs"].items():
         n = int(key.split("@")[1])
         assert run["streams"] == n == len(run["per_stream"])

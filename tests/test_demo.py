@@ -154,3 +154,28 @@ def test_keyed_server_says_so_and_works_with_a_key(browser: object) -> None:
         finally:
             ctx.close()  # type: ignore[attr-defined]
         assert not [e for e in errors if "rtts: this server needs a key" not in e], errors
+
+
+def test_save_this_voice_button_stores_the_voice_just_heard(browser: object,
+                                                            tmp_path: Path) -> None:
+    fast = FakeEngine(ms_per_char=20, chunk_ms=50)
+    with ServerThread(fast, replace(config(), voices_dir=tmp_path)) as srv:
+        ctx, page, errors = open_page(browser, srv.port)
+        try:
+            assert page.locator("#savevoice").is_disabled()
+            page.locator("details.params summary").click()
+            page.locator("#voice").fill("seed:77")
+            page.locator("#speak").click()
+            page.wait_for_function("() => !document.querySelector('#savevoice').disabled",
+                                   timeout=15000)
+            page.once("dialog", lambda d: d.accept("demo-saved"))
+            page.locator("#savevoice").click()
+            page.wait_for_function(
+                "() => document.querySelector('#savedvoice').textContent.includes('Saved')",
+                timeout=10000)
+            assert page.locator("#voice").input_value() == "demo-saved"
+        finally:
+            ctx.close()  # type: ignore[attr-defined]
+        assert not errors, errors
+    saved = (tmp_path / "demo-saved.json").read_text()
+    assert '"seed": 77' in saved and '"sample"' in saved

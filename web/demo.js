@@ -102,12 +102,16 @@ function updateCaptions() {
 
 function track(u) {
   current = u;
+  $("savevoice").disabled = true;
   $("segments").innerHTML = "";
   resetCaptions();
   $("ttfa").textContent = "…";
   u.addEventListener("started", (e) => { $("ttfa").textContent = `${e.detail.ttfaMs.toFixed(0)} ms`; });
   u.addEventListener("segment_started", (e) => addCaptionSegment(u, e.detail));
-  u.addEventListener("segment", (e) => timeCaptionSegment(u, e.detail));
+  u.addEventListener("segment", (e) => {
+    timeCaptionSegment(u, e.detail);
+    $("savevoice").disabled = false; // the first segment is what the voice is saved from
+  });
   u.addEventListener("error", (e) => console.warn("rtts: utterance failed:", e.detail.code,
                                                    e.detail.message));
   u.addEventListener("cancelled", (e) => {
@@ -210,6 +214,27 @@ async function* simulatedLlm(text) {
 }
 
 const quietly = (p) => p.catch((err) => console.warn("rtts:", err.message));
+
+// "Save this voice": the server stores the voice the last utterance spoke (its speaker
+// and its first segment's codes and text) under a name; the voice box then uses it.
+async function saveVoice() {
+  const u = current;
+  if (!u || !client) return;
+  const name = prompt("Name for this voice (a-z, 0-9, _ and -):",
+                      `voice-${Date.now().toString(36)}`);
+  if (!name) return;
+  const out = $("savedvoice");
+  out.hidden = false;
+  try {
+    const voice = await client.saveVoice(u.contextId, name.trim().toLowerCase());
+    out.textContent = `Saved as “${voice.name}”: the voice box now uses it.`;
+    $("voice").value = voice.name;
+    quietly(loadVoices());
+  } catch (err) {
+    out.textContent = `Not saved: ${err.message}`;
+  }
+}
+$("savevoice").addEventListener("click", () => quietly(saveVoice()));
 $("speak").addEventListener("click", () => quietly(speak($("text").value)));
 $("llm").addEventListener("click", () => quietly(speak(simulatedLlm($("text").value))));
 $("cancel").addEventListener("click", async () => {

@@ -600,6 +600,30 @@ export class RttsClient extends EventTarget {
   }
 
   /**
+   * Store the voice a context spoke (its speaker plus its first segment's codes and text)
+   * as a named voice on the server (native `save_voice`): later contexts started with
+   * `voice: name` speak with it. The context may be open or recently done.
+   * @param {string} contextId
+   * @param {string} name  1-64 characters of a-z, 0-9, `_` and `-`
+   * @returns {Promise<object>} the saved voice, as `GET /v1/voices/{name}` describes it
+   */
+  saveVoice(contextId, name) {
+    this._saves ??= new Map();
+    const pending = this._saves;
+    return new Promise((resolve, reject) => {
+      if (pending.has(contextId)) {
+        reject(new Error("a save of this context is already pending"));
+        return;
+      }
+      if (!this._send({ type: "save_voice", context_id: contextId, name })) {
+        reject(new Error("not connected"));
+        return;
+      }
+      pending.set(contextId, { resolve, reject });
+    });
+  }
+
+  /**
    * Barge-in: stop a context now, in any state. Playback fades out within 5 ms, late
    * frames are dropped. An utterance still queued is dropped from the queue. When the
    * server has it, the client reports what was played and sends `cancel`; the promise
@@ -704,6 +728,15 @@ export class RttsClient extends EventTarget {
   }
 
   _onEvent(msg) {
+    const save = msg.context_id ? this._saves?.get(msg.context_id) : undefined;
+    if (save && (msg.type === "voice_saved" || (msg.type === "error"
+        && msg.segment === undefined && (!this.utterances.get(msg.context_id)
+          || this.utterances.get(msg.context_id)?.state !== "open")))) {
+      this._saves?.delete(msg.context_id);
+      if (msg.type === "voice_saved") save.resolve(msg.voice);
+      else save.reject(Object.assign(new Error(msg.message), { code: msg.code }));
+      return;
+    }
     const u = msg.context_id ? this.utterances.get(msg.context_id) : undefined;
     switch (msg.type) {
       case "segment_started":

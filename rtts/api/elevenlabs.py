@@ -187,8 +187,7 @@ def resolve_voice_id(voice_id: str, service: Service, owner: str | None = None) 
 
 def speed_of(voice_settings: Any) -> int:
     """ElevenLabs' ``voice_settings.speed`` (0.7-1.2, 1.0 normal; rtts takes 0.25-4.0)
-    -> ChatTTS speed; the other settings (stability, similarity_boost, style,
-    use_speaker_boost) have no ChatTTS counterpart and are accepted and ignored."""
+    -> ChatTTS speed (the other settings: :func:`settings_of`)."""
     if voice_settings is None:
         return 5
     if not isinstance(voice_settings, dict):
@@ -199,6 +198,38 @@ def speed_of(voice_settings: Any) -> int:
     if isinstance(speed, bool) or not isinstance(speed, int | float) or not 0.25 <= speed <= 4:
         raise ElevenError("voice_settings.speed must be a number from 0.25 to 4.0")
     return speed_from_factor(float(speed))
+
+
+def settings_of(voice_settings: Any) -> dict[str, Any]:
+    """ElevenLabs' ``voice_settings`` -> :class:`SynthParams` fields, where they map:
+
+    * ``speed`` -> ChatTTS speed (:func:`speed_of`);
+    * ``stability`` (0-1, more is steadier) -> temperature ``0.55 - 0.5 * stability``
+      (0.5 gives ChatTTS's 0.3; 1.0 gives 0.05);
+    * ``similarity_boost`` (0-1, how closely to hold the voice) -> speaker anchoring: 0
+      turns it off, anything else keeps it on;
+    * ``style`` (0-1, style exaggeration) -> ChatTTS's refine prompt ``[oral_N]``,
+      N = round(9 * style), when above 0 (runs the refine pass);
+    * ``use_speaker_boost``: no ChatTTS counterpart, accepted and ignored.
+    """
+    out: dict[str, Any] = {"speed": speed_of(voice_settings)}
+    if not voice_settings:
+        return out
+    values = {}
+    for key in ("stability", "similarity_boost", "style"):
+        value = voice_settings.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+            raise ElevenError(f"voice_settings.{key} must be a number from 0 to 1")
+        values[key] = float(value)
+    if "stability" in values:
+        out["temperature"] = round(0.55 - 0.5 * values["stability"], 4)
+    if values.get("similarity_boost") == 0:
+        out["anchor"] = False
+    if values.get("style", 0) > 0:
+        out["oral"] = round(9 * values["style"])
+    return out
 
 
 def chunk_schedule(generation_config: Any, auto_mode: bool) -> tuple[int, ...]:
@@ -641,7 +672,7 @@ class _Socket:
                               f"exceeded ({limit}). Please close an existing context before "
                               "opening a new one.", "max_active_conversations")
         service.check_admission()
-        params = SynthParams(voice=self.voice, speed=speed_of(msg.voice_settings))
+        params = SynthParams(voice=self.voice, **settings_of(msg.voice_settings))
         service.validate_params(params, self.owner)
         ctx = _Context(self, cid, params, chunk_schedule(msg.generation_config, self.auto_mode))
         self.contexts[cid] = ctx
@@ -838,7 +869,7 @@ class ElevenLabsEndpoints:
                 raise ElevenError(f"text is longer than {MAX_TEXT_CHARS} characters")
             texts.append(text)
             voice = resolve_voice_id(request.path_params["voice_id"], service, owner)
-            params = SynthParams(voice=voice, speed=speed_of(body.get("voice_settings")))
+            params = SynthParams(voice=voice, **settings_of(body.get("voice_settings")))
             normalize = str(body.get("apply_text_normalization", "auto")).lower() != "off"
             pieces = None
             if _bool(request.query_params.get("enable_ssml_parsing"), False):

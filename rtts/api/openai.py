@@ -5,9 +5,10 @@ Request fields as OpenAI documents them: ``model`` (any id; see :data:`MODELS`),
 ``input`` (1-4096 characters), ``voice`` (a name or ``{"id": ...}``), ``response_format``
 (``mp3`` default, ``opus`` (Ogg), ``aac``, ``flac``, ``wav``, ``pcm`` = raw s16le 24 kHz
 mono; rtts also takes ``mulaw``, ``alaw`` and ``webm``), ``speed`` (0.25-4.0, mapped onto
-ChatTTS's ``[speed_0]``..``[speed_9]``), ``instructions`` (accepted and ignored: ChatTTS
-has no style prompt), ``stream_format`` (``audio``: the body is the audio file, streamed;
-``sse``: ``speech.audio.delta`` events with base64 audio, then ``speech.audio.done``).
+ChatTTS's ``[speed_0]``..``[speed_9]``), ``instructions`` (mapped onto ChatTTS's refine
+prompt where it names something ChatTTS has: :func:`refine_from_instructions`),
+``stream_format`` (``audio``: the body is the audio file, streamed; ``sse``:
+``speech.audio.delta`` events with base64 audio, then ``speech.audio.done``).
 
 The body streams: the response starts when the first segment's first audio exists, and
 each later piece is encoded and sent as the engine makes it.
@@ -16,6 +17,7 @@ each later piece is encoded and sent as the engine makes it.
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any, Final
 
 import orjson
@@ -65,6 +67,41 @@ def _bad(message: str, param: str | None, code: str = "invalid_value") -> ApiErr
     return ApiError(400, message, param=param, code=code)
 
 
+# words in OpenAI ``instructions`` -> ChatTTS refine levels (oral 0-9, laugh 0-2,
+# break 0-7); the first match per level wins, explicit tags ([oral_3]) win over words
+_INSTRUCTION_WORDS: Final = (
+    ("laugh", re.compile(r"\blaugh(s|ing|ter)?\b"), 2),
+    ("laugh", re.compile(r"\b(cheerful|happy|joyful|playful|amused|giggl\w*)\b"), 1),
+    ("oral", re.compile(r"\b(casual|conversational|chatty|relaxed|informal|natural)\b"), 6),
+    ("oral", re.compile(r"\b(formal|precise|professional|newsreader|crisp)\b"), 0),
+    ("breaks", re.compile(r"\b(pauses?|slow(ly)?|calm(ly)?|measured|thoughtful|soothing)\b"), 5),
+    ("breaks", re.compile(r"\b(brisk|fast|quick(ly)?|urgent|energetic)\b"), 1),
+)
+_TAG_RE: Final = re.compile(r"\[(oral|laugh|break)_(\d)\]")
+_TAG_LIMITS: Final = {"oral": 9, "laugh": 2, "break": 7}
+
+
+def refine_from_instructions(instructions: str | None) -> dict[str, int]:
+    """OpenAI's free-text ``instructions`` -> ChatTTS refine levels (``oral``, ``laugh``,
+    ``breaks``): its own tags (``[oral_2][laugh_0][break_4]``) as given, else a few words
+    (laughing, cheerful, casual, formal, pauses, slow, brisk...). Nothing matched: {} (no
+    refine pass, which costs an extra GPT pass per segment)."""
+    if not instructions:
+        return {}
+    out: dict[str, int] = {}
+    for tag, level in _TAG_RE.findall(instructions[:2000]):
+        key = "breaks" if tag == "break" else tag
+        if key not in out and int(level) <= _TAG_LIMITS[tag]:
+            out[key] = int(level)
+    if out:
+        return out
+    lowered = instructions[:2000].lower()
+    for key, pattern, value in _INSTRUCTION_WORDS:
+        if key not in out and pattern.search(lowered):
+            out[key] = value
+    return out
+
+
 def parse_speech_request(body: Any, service: Service, owner: str | None = None
                          ) -> dict[str, Any]:
     if not isinstance(body, dict):
@@ -106,7 +143,8 @@ def parse_speech_request(body: Any, service: Service, owner: str | None = None
     if not isinstance(ssml, bool):
         raise _bad("ssml must be true or false", "ssml")
     return {"input": text, "voice": voice, "format": fmt, "speed": speed_from_factor(float(speed)),
-            "stream_format": stream_format, "ssml": ssml}
+            "stream_format": stream_format, "ssml": ssml,
+            "refine": refine_from_instructions(instructions)}
 
 
 class OpenAIEndpoints:
@@ -172,7 +210,7 @@ class OpenAIEndpoints:
                 if not "".join(p.text for p in pieces).strip():
                     raise _bad("the SSML says nothing", "input", "invalid_ssml")
             return SpeechRequest(req["input"], SynthParams(voice=req["voice"],
-                                                           speed=req["speed"]),
+                                                           speed=req["speed"], **req["refine"]),
                                  req["format"], PCM_RATE, pieces=pieces)
 
         stream = await speak(service, self.auth, request, parse)

@@ -17,6 +17,13 @@ drift in machine speed hits all alike):
 - ``stock``: an unmodified ``Chat`` serving stock ``Chat.infer(stream=True)`` one request
   at a time (``--stock-max-streams`` caps the counts it runs; ``0`` skips it).
 
+``--anchor both`` runs every rtts setting twice, with speaker anchoring (the ``anchor`` start
+option, on by default: later segments conditioned on the first one's codes and text) and
+without (``rtts-DTYPE-noanchor``), so its cost shows in the same run: each stream also
+reports the gap between a segment's last frame and the next segment's first
+(``next_segment_gap_s``: the wait the anchor can add), and the prefill and decode step of
+a batch with anchored rows are timed beside plain ones (``anchor_cost``).
+
 Every segment is forced to ``--tokens`` GPT steps, so random weights give equal work in
 every setting. The same run measures the machine's read bandwidth (one pass over a
 ``--bandwidth-mb`` buffer) and, per dtype, the GPT decode step at 1 and ``--rows`` rows:
@@ -60,6 +67,8 @@ class PlayerResult:
     silence_s: float  # waiting for audio after playback started (prebuffer excluded)
     stalls: int  # times the buffer ran dry
     wall_s: float  # request sent -> last frame
+    # per later segment: its first frame's arrival minus the previous segment's last one
+    gaps_s: tuple[float, ...] = ()
 
     @property
     def silence_per_audio_s(self) -> float:
@@ -69,6 +78,17 @@ class PlayerResult:
         return {"ttfa_s": self.ttfa_s, "audio_s": self.audio_s, "silence_s": self.silence_s,
                 "stalls": self.stalls, "silence_per_audio_s": self.silence_per_audio_s,
                 "wall_s": self.wall_s}
+
+
+def segment_gaps(frames: Sequence[tuple[float, int]]) -> tuple[float, ...]:
+    """``(arrival, segment)`` per frame -> the wait before each later segment's first
+    frame after the previous segment's last one (0 when it was already there)."""
+    last: dict[int, float] = {}
+    first: dict[int, float] = {}
+    for at, seg in frames:
+        first.setdefault(seg, at)
+        last[seg] = at
+    return tuple(max(0.0, first[k] - last[k - 1]) for k in sorted(first) if k - 1 in last)
 
 
 def play(chunks: Sequence[tuple[float, float]], sent: float, prebuffer_s: float
@@ -91,21 +111,25 @@ def play(chunks: Sequence[tuple[float, float]], sent: float, prebuffer_s: float
                         chunks[-1][0] - sent)
 
 
-async def listen(url: str, text: str, index: int, prebuffer_s: float) -> PlayerResult:
+async def listen(url: str, text: str, index: int, prebuffer_s: float,
+                 anchor: bool = True) -> PlayerResult:
     """One session: send ``text``, record every frame's arrival, play it back paced."""
     async with connect(url, max_size=None, ping_interval=None) as ws:
         await ws.recv()  # ready
         await ws.send(json.dumps({"type": "start", "voice": f"seed:{index % 5}",
-                                  "seed": 1 + index}))
+                                  "seed": 1 + index, "anchor": anchor}))
         sent = time.perf_counter()
         await ws.send(json.dumps({"type": "text", "text": text}))
         await ws.send(json.dumps({"type": "end"}))
         chunks: list[tuple[float, float]] = []
+        frames: list[tuple[float, int]] = []
         rate = 24000
         while True:
             msg = await ws.recv()
             if isinstance(msg, bytes):  # 12-byte header, then PCM16
-                chunks.append((time.perf_counter(), (len(msg) - 12) / 2 / rate))
+                now = time.perf_counter()
+                chunks.append((now, (len(msg) - 12) / 2 / rate))
+                frames.append((now, int.from_bytes(msg[4:8], "little")))
                 continue
             event = json.loads(msg)
             if event["type"] == "segment_started":
@@ -113,7 +137,7 @@ async def listen(url: str, text: str, index: int, prebuffer_s: float) -> PlayerR
             elif event["type"] == "error":
                 raise RuntimeError(f"stream {index}: {event}")
             elif event["type"] == "done":
-                return play(chunks, sent, prebuffer_s)
+                return replace(play(chunks, sent, prebuffer_s), gaps_s=segment_gaps(frames))
 
 
 def summarize(results: Sequence[PlayerResult], wall_s: float, tolerance_s: float
@@ -131,6 +155,9 @@ def summarize(results: Sequence[PlayerResult], wall_s: float, tolerance_s: float
         "silence_per_audio_s": silence / audio if audio else 0.0,
         "wall_s": wall_s,
         "no_silence": all(r.silence_s <= tolerance_s for r in results),
+        "next_segment_gap_max_s": max((g for r in results for g in r.gaps_s), default=0.0),
+        "next_segment_gap_median_s": statistics.median(
+            [g for r in results for g in r.gaps_s] or [0.0]),
         "per_stream": [r.as_dict() for r in results],
     }
 
@@ -222,6 +249,39 @@ def step_report(engine: Any, rows: Sequence[int], steps: int, bandwidth_mb: int
     return out
 
 
+def anchor_cost(engine: Any, rows: int, steps: int, sample_s: float) -> dict[str, Any]:
+    """Prefill and decode step of ``rows`` rows, plain and anchored on a ``sample_s``
+    second sample (as a context's later segments are): ms each, median of ``steps``."""
+    import torch
+
+    from rtts.core.params import SpeakerSample, SynthParams
+    from rtts.engines.base import SynthRequest
+
+    frames = max(1, int(sample_s * 24000 / 512))
+    codes = torch.randint(0, 625, (4, frames), generator=torch.Generator().manual_seed(1))
+    sample = SpeakerSample(codes.numpy().astype("<u2").tobytes(),
+                           "Good evening, and thanks for calling.", 4)
+    out: dict[str, Any] = {"rows": rows, "sample_s": frames * 512 / 24000}
+    for label, smp in (("plain", None), ("anchored", sample)):
+        reqs = [SynthRequest(PARAGRAPH[:80], SynthParams(seed=k, sample=smp),
+                             max_new_token=steps + 8) for k in range(rows)]
+        gpt = engine.batch(rows)
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            specs = engine._specs(reqs)
+            gpt.add(specs)
+            prefill = time.perf_counter() - t0
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                gpt.step()
+                times.append(time.perf_counter() - t0)
+        out[label] = {"prompt_tokens": int(specs[0].emb.shape[0]),
+                      "prefill_ms": 1000 * prefill,
+                      "step_ms": 1000 * statistics.median(times)}
+    return out
+
+
 # -- the run ---------------------------------------------------------------------------
 
 
@@ -285,6 +345,17 @@ async def bench_realtime(args: argparse.Namespace) -> dict[str, Any]:
                                                  rep["read_bandwidth_gb_s"])
                 rep["dtype"] = engine.config.dtype
                 out["steps"][name] = rep
+                if args.anchor == "both":
+                    cost = {r: await asyncio.to_thread(anchor_cost, engine, r, args.steps,
+                                                       args.anchor_sample_s)
+                            for r in step_rows}
+                    out.setdefault("anchor_cost", {})[name] = cost
+                    for r, c in cost.items():
+                        print(f"{name}: {r} rows, prefill plain {c['plain']['prefill_ms']:.0f}"
+                              f" ms / anchored {c['anchored']['prefill_ms']:.0f} ms "
+                              f"({c['anchored']['prompt_tokens']} prompt tokens), step "
+                              f"{c['plain']['step_ms']:.1f} / {c['anchored']['step_ms']:.1f} ms",
+                              file=sys.stderr, flush=True)
                 print(f"{name}: step " + ", ".join(
                     f"{r} rows {v['step_ms']:.1f} ms ({100 * v['outside_linear_share']:.0f}% "
                     "outside linears)" for r, v in rep["rows"].items())
@@ -295,27 +366,34 @@ async def bench_realtime(args: argparse.Namespace) -> dict[str, Any]:
                 run_server(replace(base, scheduler=sched), engine, load=False))
             await app.start_serving()
             urls[name] = f"ws://127.0.0.1:{bound_port(app)}{base.ws_path}"
+        variants = {"on": [("", True)], "off": [("-noanchor", False)],
+                    "both": [("", True), ("-noanchor", False)]}[args.anchor]
+        runs = [(name + suffix, name, anchor, most) for name, _, _, most in setups
+                for suffix, anchor in (variants if name != "stock" else [("", True)])]
         for n in counts:
             for rep_i in range(args.repeat):
-                for name, _, _, most in setups:
+                for label, name, anchor, most in runs:
                     if n > most:
                         continue
                     t0 = time.perf_counter()
                     results = await asyncio.gather(*(
-                        listen(urls[name], args.text, i, args.prebuffer) for i in range(n)))
+                        listen(urls[name], args.text, i, args.prebuffer, anchor)
+                        for i in range(n)))
                     row = summarize(results, time.perf_counter() - t0, args.silence_tolerance)
-                    out["runs"].setdefault(f"{name}@{n}", []).append(row)
-                    print(f"{name:>10} streams={n} run {rep_i + 1}: TTFA median "
+                    out["runs"].setdefault(f"{label}@{n}", []).append(row)
+                    print(f"{label:>10} streams={n} run {rep_i + 1}: TTFA median "
                           f"{row['ttfa_median_s']:.2f}s, audio {row['audio_s']:.1f}s, "
                           f"silence {row['silence_s']:.2f}s "
-                          f"({row['silence_per_audio_s']:.2f}/s of audio)",
+                          f"({row['silence_per_audio_s']:.2f}/s of audio), next-segment gap "
+                          f"max {row['next_segment_gap_max_s']:.2f}s",
                           file=sys.stderr, flush=True)
     out["summary"] = {key: {k: statistics.median(r[k] for r in rows) for k in (
         "ttfa_median_s", "ttfa_max_s", "audio_s", "silence_s", "silence_per_audio_s",
-        "wall_s")} | {"no_silence": all(r["no_silence"] for r in rows)}
+        "wall_s", "next_segment_gap_median_s", "next_segment_gap_max_s")}
+        | {"no_silence": all(r["no_silence"] for r in rows)}
         for key, rows in out["runs"].items()}
-    out["realtime_streams"] = {name: realtime_streams(out["runs"], name, counts)
-                               for name, _, _, _ in setups}
+    out["realtime_streams"] = {label: realtime_streams(out["runs"], label, counts)
+                               for label, _, _, _ in runs}
     return out
 
 
@@ -342,6 +420,11 @@ def add_parser(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
     p.add_argument("--text", default=PARAGRAPH)
     p.add_argument("--repeat", type=int, default=1, help="alternating runs per stream count")
+    p.add_argument("--anchor", choices=("on", "off", "both"), default="on",
+                   help="speaker anchoring (the start option) in the rtts runs; both: each "
+                   "rtts setting with and without, plus the prefill/step of anchored rows")
+    p.add_argument("--anchor-sample-s", type=float, default=3.0,
+                   help="sample length for the anchored prefill/step timing (seconds)")
     p.add_argument("--json", type=Path, default=None, help="also write results here")
 
 

@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from rtts.core.params import SynthParams
+from rtts.core.params import SpeakerSample, SynthParams
 
 __all__ = ["CacheConfig", "CachedStream", "LruAudio", "PhraseCache", "cache_key", "decode_audio",
            "encode_audio", "normalize_text"]
@@ -41,6 +41,9 @@ logger = logging.getLogger("rtts.core.cache")
 _FORMAT = 1  # bump when the key recipe or the stored encoding changes
 _HEADER = struct.Struct("<4sBI")  # magic, format, sample rate
 _MAGIC = b"RTTS"
+_MAX_SAMPLES = 2048  # codes kept for cached segments (a few KiB each)
+_CODES = ".codes"  # the Redis key of a cached segment's codes: its audio's key + this
+_SAMPLE_HEADER = struct.Struct("<4sBI")
 _SPACE = re.compile(r"\s+")
 
 
@@ -74,6 +77,10 @@ def cache_key(engine_id: str, text: str, params: SynthParams, degraded: bool) ->
         "f": _FORMAT, "e": engine_id, "t": normalize_text(text), "v": params.voice,
         "s": params.seed, "T": params.temperature, "P": params.top_P, "K": params.top_K,
         "sp": params.speed, "r": params.refine, "d": degraded,
+        # recipes before these keys existed hash as before (their defaults are left out)
+        **({"rp": params.repetition_penalty} if params.repetition_penalty != 1.05 else {}),
+        **({"rf": params.refine_prompt} if params.refine_prompt else {}),
+        **({"smp": params.sample.digest} if params.sample is not None else {}),
     }, option=orjson.OPT_SORT_KEYS)
     return hashlib.sha256(recipe).hexdigest()
 
@@ -81,6 +88,26 @@ def cache_key(engine_id: str, text: str, params: SynthParams, degraded: bool) ->
 def encode_audio(samples: npt.NDArray[np.float32], sample_rate: int) -> bytes:
     pcm = (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2")
     return _HEADER.pack(_MAGIC, _FORMAT, sample_rate) + pcm.tobytes()
+
+
+def encode_sample(sample: SpeakerSample) -> bytes:
+    text = sample.text.encode()
+    return _SAMPLE_HEADER.pack(b"RSMP", sample.num_vq, len(text)) + text + sample.codes
+
+
+def decode_sample(blob: bytes) -> SpeakerSample | None:
+    """A sample from :func:`encode_sample`, or None if the blob is not one."""
+    if len(blob) < _SAMPLE_HEADER.size:
+        return None
+    magic, vq, n = _SAMPLE_HEADER.unpack_from(blob)
+    codes = blob[_SAMPLE_HEADER.size + n:]
+    if magic != b"RSMP" or not vq or len(codes) % (2 * vq) or not codes:
+        return None
+    try:
+        text = blob[_SAMPLE_HEADER.size:_SAMPLE_HEADER.size + n].decode()
+    except UnicodeDecodeError:
+        return None
+    return SpeakerSample(bytes(codes), text, vq)
 
 
 def decode_audio(blob: bytes, sample_rate: int) -> npt.NDArray[np.float32] | None:
@@ -144,6 +171,9 @@ class PhraseCache:
         self.engine_id = engine_id
         self.sample_rate = sample_rate
         self.memory = LruAudio(int(config.memory_mb * 2**20))
+        # the codes of cached segments (this instance's memory only): a context whose first
+        # segment is a hit anchors its later ones on the codes of that very audio
+        self._samples: OrderedDict[str, SpeakerSample] = OrderedDict()
         self.stats = CacheStats()
         self._redis: Any = None
         self._redis_down_until = 0.0
@@ -208,9 +238,11 @@ class PhraseCache:
             self.stats.hits_memory += 1
             return decode_audio(blob, self.sample_rate)
         if self._redis_up():
+            codes: bytes | None = None
             try:
                 async with asyncio.timeout(self.config.redis_timeout_s):
-                    blob = await self._redis.get(self.config.key_prefix + key)
+                    name = self.config.key_prefix + key
+                    blob, codes = await self._redis.mget([name, name + _CODES])
             except Exception as exc:
                 self._redis_failed(exc)
                 blob = None
@@ -219,9 +251,26 @@ class PhraseCache:
                 if samples is not None:
                     self.stats.hits_redis += 1
                     self.memory.put(key, blob)
+                    sample = None if codes is None else decode_sample(codes)
+                    if sample is not None:
+                        self.put_sample(key, sample)
                     return samples
         self.stats.misses += 1
         return None
+
+    def put_sample(self, key: str, sample: SpeakerSample) -> None:
+        """The codes of the audio just stored under ``key`` (kept beside it, in Redis too)."""
+        if self._redis is not None:
+            with contextlib.suppress(asyncio.QueueFull):
+                self._writes.put_nowait((key + _CODES, encode_sample(sample)))
+        self._samples[key] = sample
+        self._samples.move_to_end(key)
+        while len(self._samples) > _MAX_SAMPLES:
+            self._samples.popitem(last=False)
+
+    def sample(self, key: str) -> SpeakerSample | None:
+        """The codes of the audio cached under ``key``, when this instance made it."""
+        return self._samples.get(key)
 
     def put(self, key: str, samples: npt.NDArray[np.float32]) -> None:
         if len(samples) == 0 or len(samples) > self.max_entry_samples:
@@ -259,8 +308,10 @@ class CachedStream:
     cached = True
     ready = True  # the audio is all here
 
-    def __init__(self, samples: npt.NDArray[np.float32]) -> None:
+    def __init__(self, samples: npt.NDArray[np.float32],
+                 sample: SpeakerSample | None = None) -> None:
         self._samples: npt.NDArray[np.float32] | None = samples
+        self.sample = sample  # the codes of this audio, when known (speaker anchoring)
         self.submitted_at = self.produced_at = time.monotonic()
 
     def cancel(self) -> None:

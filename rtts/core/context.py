@@ -12,6 +12,13 @@ Audio is float32 mono at the engine's sample rate, yielded as soon as the engine
 cache) produces it; up to ``lookahead`` segments are submitted ahead of the one playing.
 Leaving the ``async for`` early (or :meth:`SpeechContext.cancel`) cancels the in-flight
 requests, which frees their batch rows.
+
+**Speaker anchoring** (``params.anchor``, on by default, for an engine with samples): once
+the context's first generated segment ends, every later segment is conditioned on that
+segment's codes and text (its :attr:`~rtts.core.params.SynthParams.sample`, bounded to
+:data:`ANCHOR_SECONDS`), ChatTTS's own long-text recipe, so the voice holds across
+segments. Until then no later segment is submitted (the lookahead waits for the anchor).
+A voice that has its own sample is conditioned on it throughout, and needs no anchor.
 """
 
 from __future__ import annotations
@@ -21,12 +28,14 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
 import numpy.typing as npt
 
-from rtts.core.params import SynthParams
+from rtts.core.cache import CachedStream
+from rtts.core.params import MAX_SAMPLE_SECONDS, SpeakerSample, SynthParams, trim_sample
+from rtts.core.scheduler import RequestStream
 from rtts.errors import RttsError
 from rtts.text import SpokenText
 from rtts.text.segmenter import DEFAULT_MAX_CHARS, DEFAULT_SCHEDULE, Chunk, Segmenter
@@ -36,9 +45,11 @@ from rtts.text.timings import CharTimings, estimate
 if TYPE_CHECKING:
     from rtts.core.service import Service, Source
 
-__all__ = ["Audio", "Done", "Event", "SegmentDone", "SegmentFailed", "SegmentStarted",
-           "SpeechContext"]
+__all__ = ["ANCHOR_SECONDS", "Audio", "Done", "Event", "SegmentDone", "SegmentFailed",
+           "SegmentStarted", "SpeechContext"]
 
+# the most of a context's first segment its later segments are conditioned on
+ANCHOR_SECONDS: Final = MAX_SAMPLE_SECONDS
 _INLINE_CHARS = 64  # chunks up to this long are normalized on the loop (well under 1 ms)
 
 
@@ -113,7 +124,14 @@ class SpeechContext:
         self._cancelled = False
         self.finished = False  # Done was yielded
         self._wakeup = asyncio.Event()
-        self.engine = service.engine_for(params).name  # who speaks it (metrics per engine)
+        engine = service.engine_for(params)
+        self.engine = engine.name  # who speaks it (metrics per engine)
+        # speaker anchoring (see the module doc): the sample later segments carry
+        self.anchoring = params.anchor and params.sample is None and engine.info.samples
+        self.anchor: SpeakerSample | None = None
+        self._anchor_source: RequestStream | None = None  # the segment it will come from
+        self._submitting = asyncio.Lock()  # one submitter at a time: segments stay in order
+        self._kick: asyncio.Task[None] | None = None  # submits once the anchor exists
         service.stats.contexts_total += 1
         # usage per key (rtts.core.usage): the key's owner id, None = anonymous; job
         # contexts (background) are not counted
@@ -194,6 +212,12 @@ class SpeechContext:
             self._wakeup.set()
 
     def _release(self) -> None:
+        if self._anchor_source is not None:
+            self._anchor_source.on_finish = None  # cancelled below: nothing to submit after
+            self._anchor_source = None
+        if self._kick is not None:
+            self._kick.cancel()
+            self._kick = None
         for _, _, _, source, _ in self._inflight:
             if not isinstance(source, RttsError):
                 source.cancel()
@@ -203,16 +227,58 @@ class SpeechContext:
     # -- output ------------------------------------------------------------------------
 
     async def _submit_ahead(self) -> None:
+        async with self._submitting:
+            await self._submit_locked()
+
+    def _anchor_finished(self) -> None:
+        """The anchor's source segment ended (on the loop): submit what waited for it now,
+        not when the consumer next reads (it may be pacing the first segment's audio)."""
+        if self._cancelled or (self._kick is not None and not self._kick.done()):
+            return
+        self._kick = asyncio.get_running_loop().create_task(
+            self._submit_kicked(), name="rtts-context-anchor")
+
+    async def _submit_kicked(self) -> None:
+        await self._submit_ahead()
+        self._wakeup.set()
+
+    async def _submit_locked(self) -> None:
         while self._pending and len(self._inflight) < self.lookahead and not self._cancelled:
+            if not self._anchor_ready():
+                return
             index, chunk, say, params = self._pending.popleft()
             spoken = say if say is not None else await self._speak(chunk.text)
             if self._cancelled:
                 return
+            if self.anchor is not None:
+                params = replace(params, sample=self.anchor)
             # The spoken text is what is synthesized and what the phrase cache is keyed on.
             source, key = await self.service.open_segment(
                 spoken, params, first=index == 0, use_cache=self.use_cache,
                 background=self.background)
+            if self.anchoring and self.anchor is None:
+                if isinstance(source, RequestStream):
+                    self._anchor_source = source
+                    source.on_finish = self._anchor_finished
+                elif isinstance(source, CachedStream) and source.sample is not None:
+                    self.anchor = trim_sample(source.sample, ANCHOR_SECONDS)
             self._inflight.append((index, chunk, spoken, source, key))
+
+    def _anchor_ready(self) -> bool:
+        """False while a later segment must wait for the anchor: its source segment is
+        still being generated. Takes the anchor when that segment has ended; a segment
+        that failed or was cancelled leaves none (the next generated one is the source)."""
+        source = self._anchor_source
+        if source is None:
+            return True
+        if not source.finished:
+            return False
+        self._anchor_source = None
+        produced = source.request.produced
+        if not source.request.cancelled.is_set() and produced is not None \
+                and produced.frames > 0 and produced.text:
+            self.anchor = trim_sample(produced, ANCHOR_SECONDS)
+        return True
 
     async def _speak(self, text: str) -> str:
         """The spoken form of the next chunk (in order: it carries the language so far).

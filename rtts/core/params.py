@@ -18,20 +18,63 @@ from typing import Any, Final
 from rtts.errors import ErrorCode, ProtocolError
 
 __all__ = [
+    "MAX_SAMPLE_SECONDS",
+    "MAX_SAMPLE_TEXT_CHARS",
     "MAX_VOICE_CHARS",
+    "NO_SPEAKER",
     "PARAM_KEYS",
     "SAMPLE_RATES",
+    "SpeakerSample",
     "SpeechOptions",
     "SynthParams",
     "bounded_integer",
     "bounded_number",
     "parse_options",
     "parse_params",
+    "trim_sample",
 ]
 
 MAX_VOICE_CHARS: Final = 8192
+# A speaker sample (a voice's reference clip, or a context's anchor) holds at most this
+# much audio as codes: every segment conditioned on it prefills ~47 more tokens a second.
+MAX_SAMPLE_SECONDS: Final = 10.0
+MAX_SAMPLE_TEXT_CHARS: Final = 400  # its transcript
+FRAMES_PER_SECOND: Final = 24000 / 512  # one code frame per GPT step
+# the voice of a prompt conditioned on a sample alone (ChatTTS's ``[empty_spk]``: no
+# speaker embedding); only valid with ``sample`` set
+NO_SPEAKER: Final = "[empty_spk]"
 # Output rates every front-end may ask for (the audio is resampled to it).
 SAMPLE_RATES: Final = (8000, 16000, 22050, 24000, 44100, 48000)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeakerSample:
+    """Audio codes and their transcript that a prompt is conditioned on (ChatTTS's
+    ``spk_smp`` / ``txt_smp``). ``codes``: the ``(num_vq, frames)`` code matrix as
+    little-endian uint16 bytes, row-major (one frame per GPT step, 46.875 a second);
+    ``text``: what they say. :mod:`rtts.core.speaker` converts to and from ChatTTS's packed
+    string (``Speaker.encode_prompt``); ``digest`` names it in cache keys."""
+
+    codes: bytes
+    text: str
+    num_vq: int = 4
+
+    @property
+    def frames(self) -> int:
+        return len(self.codes) // (2 * self.num_vq)
+
+    @property
+    def seconds(self) -> float:
+        return self.frames * 512 / 24000
+
+    @property
+    def digest(self) -> str:
+        import hashlib
+
+        h = hashlib.sha256(self.text.encode())
+        h.update(b"\0%d\0" % self.num_vq)
+        h.update(self.codes)
+        return h.hexdigest()[:32]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +93,34 @@ class SynthParams:
     top_K: int = 20  # noqa: N815
     speed: int = 5
     refine: bool = False
+    # Speaker anchoring: after a context's first segment, later ones are conditioned on its
+    # codes and text (ChatTTS's long-text recipe), so the voice holds across segments.
+    anchor: bool = True
+    # ChatTTS's refine prompt levels ([oral_N] 0-9, [laugh_N] 0-2, [break_N] 0-7); any
+    # set runs the refine pass with that prompt (None: ChatTTS's empty prompt)
+    oral: int | None = None
+    laugh: int | None = None
+    breaks: int | None = None
+    repetition_penalty: float = 1.05  # ChatTTS's, over the last 16 codes (1.0: off)
+    # what the prompt is conditioned on besides the speaker: a voice's sample (set by the
+    # voice registry) or the context's anchor (set by the context); never from the wire
+    sample: SpeakerSample | None = None
+
+    @property
+    def refine_prompt(self) -> str:
+        """ChatTTS's refine prompt for these levels ("" when none is set)."""
+        return "".join(f"[{tag}_{level}]" for tag, level in (
+            ("oral", self.oral), ("laugh", self.laugh), ("break", self.breaks))
+            if level is not None)
+
+    @property
+    def refines(self) -> bool:
+        """Whether the refine pass runs: ``refine`` or a refine level set."""
+        return self.refine or bool(self.refine_prompt)
 
 
-PARAM_KEYS: Final = tuple(SynthParams.__dataclass_fields__)
+# the wire keys (``sample`` is not one: it comes from the voice registry or the context)
+PARAM_KEYS: Final = tuple(k for k in SynthParams.__dataclass_fields__ if k != "sample")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +130,26 @@ class SpeechOptions:
     params: SynthParams
     sample_rate: int = 24000
     normalize: bool = True
+
+
+def trim_sample(sample: SpeakerSample, max_seconds: float = MAX_SAMPLE_SECONDS
+                ) -> SpeakerSample:
+    """``sample`` bounded to its first ``max_seconds`` of codes. The text is cut in the
+    same proportion (at a space when there is one near): codes and text no longer match
+    exactly, which a prompt tolerates better than an unbounded prefill."""
+    keep = int(max_seconds * FRAMES_PER_SECOND)
+    frames = sample.frames
+    if frames <= keep:
+        return sample
+    import numpy as np
+
+    codes = np.frombuffer(sample.codes, dtype="<u2").reshape(sample.num_vq, frames)
+    cut = max(1, round(len(sample.text) * keep / frames))
+    space = sample.text.rfind(" ", 0, cut + 1)
+    if space > cut * 3 // 4:
+        cut = space
+    return SpeakerSample(np.ascontiguousarray(codes[:, :keep]).tobytes(),
+                         sample.text[:cut].strip(), sample.num_vq)
 
 
 def _bad(message: str) -> ProtocolError:
@@ -106,6 +194,9 @@ def parse_params(obj: Mapping[str, Any]) -> SynthParams:
     refine = obj.get("refine", False)
     if not isinstance(refine, bool):
         raise _bad("refine must be true or false")
+    anchor = obj.get("anchor", True)
+    if not isinstance(anchor, bool):
+        raise _bad("anchor must be true or false")
     return SynthParams(
         voice=voice,
         seed=bounded_integer(obj, "seed", None, 0, 2**31 - 1),
@@ -114,6 +205,11 @@ def parse_params(obj: Mapping[str, Any]) -> SynthParams:
         top_K=int(bounded_integer(obj, "top_K", 20, 1, 100) or 20),
         speed=int(bounded_integer(obj, "speed", 5, 0, 9) or 0),
         refine=refine,
+        anchor=anchor,
+        oral=bounded_integer(obj, "oral", None, 0, 9),
+        laugh=bounded_integer(obj, "laugh", None, 0, 2),
+        breaks=bounded_integer(obj, "breaks", None, 0, 7),
+        repetition_penalty=bounded_number(obj, "repetition_penalty", 1.05, 1.0, 2.0),
     )
 
 

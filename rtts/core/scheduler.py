@@ -112,6 +112,8 @@ class RequestStream:
         self._done = False
         self._error: Exception | None = None
         self._wakeup = asyncio.Event()
+        # called (on the event loop) when the request ends, however it ends
+        self.on_finish: Callable[[], None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -142,6 +144,9 @@ class RequestStream:
         self._done = True
         self._error = error
         self._wakeup.set()
+        if self.on_finish is not None:
+            callback, self.on_finish = self.on_finish, None
+            callback()
 
     def __aiter__(self) -> RequestStream:
         return self

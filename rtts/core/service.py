@@ -30,21 +30,24 @@ import numpy.typing as npt
 import psutil
 
 from rtts import __version__
+from rtts.audio.decode import ClipError, decode_clip
 from rtts.config import ServerConfig
 from rtts.core.cache import CachedStream, PhraseCache
 from rtts.core.context import SpeechContext
 from rtts.core.governor import Governor, GovernorConfig, Level, LoadSignals
-from rtts.core.params import SynthParams
+from rtts.core.params import MAX_SAMPLE_SECONDS, SpeakerSample, SynthParams
 from rtts.core.scheduler import BACKGROUND, RequestStream, Scheduler, SchedulerConfig
 from rtts.core.usage import Usage, UsageFlusher
 from rtts.core.voices import Voice, VoiceStore
 from rtts.engines import build_engines
-from rtts.engines.base import Engine, SynthRequest
+from rtts.engines.base import Engine, SampleEngine, SynthRequest
 from rtts.errors import ErrorCode, ProtocolError, RttsError
 
-__all__ = ["SegmentRecorder", "Service", "Source", "Stats"]
+__all__ = ["MAX_CLIP_BYTES", "SegmentRecorder", "Service", "Source", "Stats"]
 
 logger = logging.getLogger("rtts.core")
+
+MAX_CLIP_BYTES = 8 * 2**20  # an uploaded reference clip, before decoding
 
 Source = RequestStream | CachedStream
 
@@ -133,6 +136,9 @@ class SegmentRecorder:
         if isinstance(stream, RequestStream) and stream.request.cancelled.is_set():
             return
         self._cache.put(self._key, np.concatenate(self._parts))
+        if isinstance(stream, RequestStream) and stream.request.produced is not None \
+                and stream.request.produced.frames:
+            self._cache.put_sample(self._key, stream.request.produced)
 
 
 class Service:
@@ -168,6 +174,7 @@ class Service:
         self.cache = PhraseCache(config.cache, self.engine.name, self.engine.sample_rate)
         self.voices = VoiceStore(config.voices_dir, max_per_owner=config.max_voices_per_key)
         self.voices.default_engine = self.engine.name
+        self._clip_slots = asyncio.Semaphore(2)  # clips decoded and encoded at once
         for e in engines:
             info = e.info
             if info.voice_prefix is not None:
@@ -358,13 +365,35 @@ class Service:
         degraded = self.degraded
         key = self.cache.key(text, params, degraded) if use_cache else None
         if key is not None and (hit := await self.cache.get(key)) is not None:
-            return CachedStream(hit), None
+            return CachedStream(hit, self.cache.sample(key)), None
         priority = BACKGROUND if background else 0 if first else 1
         request = SynthRequest(text, params, priority=priority, degraded=degraded)
         try:
             return self.schedulers[self.engine_for(params).name].submit(request), key
         except RttsError as exc:
             return exc, None
+
+    async def sample_from_clip(self, data: bytes, transcript: str) -> SpeakerSample:
+        """A voice sample from an uploaded clip: decoded (any format PyAV reads, bounded to
+        :data:`MAX_CLIP_BYTES` and :data:`~rtts.core.params.MAX_SAMPLE_SECONDS`), resampled
+        to the engine's rate and encoded by the engine (ChatTTS: its DVAE encoder), all
+        off the event loop. :class:`VoiceError` (400) for audio it cannot use."""
+        from rtts.core.voices import VoiceError
+
+        engine = self.engine
+        if not engine.info.samples or not isinstance(engine, SampleEngine):
+            raise VoiceError(f"the {engine.name} engine cannot make voices from audio",
+                             param="audio")
+        async with self._clip_slots:
+            try:
+                audio = await asyncio.to_thread(
+                    decode_clip, data, rate=engine.sample_rate,
+                    max_seconds=MAX_SAMPLE_SECONDS, max_bytes=MAX_CLIP_BYTES)
+                if audio.size < engine.sample_rate // 2:
+                    raise ClipError("the clip is shorter than 0.5 s")
+                return await asyncio.to_thread(engine.encode_sample, audio, transcript)
+            except ValueError as exc:  # ClipError, or the engine's refusal
+                raise VoiceError(f"audio: {exc}", param="audio") from None
 
     def segment_recorder(self, key: str | None) -> SegmentRecorder:
         return SegmentRecorder(self, key)

@@ -18,13 +18,16 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MAX_SPEAKER_CHARS", "MAX_SPEAKER_VALUES", "SpeakerError", "decode_speaker"]
+__all__ = ["MAX_SAMPLE_CHARS", "MAX_SPEAKER_CHARS", "MAX_SPEAKER_VALUES", "SpeakerError",
+           "decode_codes", "decode_speaker", "encode_codes"]
 
 MAX_SPEAKER_CHARS: Final = 8192  # as the native protocol's voice limit
 MAX_SPEAKER_VALUES: Final = 16384  # when the engine's dimension is not known (ChatTTS: 768)
 # Decoding needs a dictionary only as large as the output (a speaker is a few KiB): the
 # encoder's preset 9 would make every decode allocate 64 MiB
 _FILTERS: Final = [{"id": lzma.FILTER_LZMA2, "dict_size": 1 << 16}]
+MAX_SAMPLE_CHARS: Final = 65536  # a packed code sample (10 s of 4 codebooks is ~2-4 K)
+MAX_NUM_VQ: Final = 16
 
 
 class SpeakerError(ValueError):
@@ -62,3 +65,54 @@ def decode_speaker(speaker: str, dim: int | None = None) -> npt.NDArray[np.float
     if not np.isfinite(arr).all():
         raise SpeakerError("voice embedding has non-finite values (NaN or infinity)")
     return arr
+
+
+def encode_codes(codes: bytes, num_vq: int) -> str:
+    """ChatTTS's packed form of a ``(num_vq, frames)`` uint16 code matrix (its
+    ``spk_smp``, as ``Speaker.encode_prompt`` writes it: base16384 of the shape as two
+    ``<u2`` and the raw-LZMA2 codes). A 64 KiB dictionary instead of preset 9's 64 MiB:
+    ChatTTS's decoder reads it all the same."""
+    import pybase16384 as b14
+
+    frames = len(codes) // (2 * num_vq)
+    packed = lzma.compress(codes, format=lzma.FORMAT_RAW,
+                           filters=[{"id": lzma.FILTER_LZMA2, "preset": 6,
+                                     "dict_size": 1 << 16}])
+    head = np.array([num_vq, frames], dtype="<u2").tobytes()
+    return str(b14.encode_to_string(head + packed))
+
+
+def decode_codes(text: str, *, num_vq: int | None = None, max_frames: int,
+                 max_code: int | None = None) -> tuple[bytes, int]:
+    """The ``(codes, num_vq)`` of a packed sample (:func:`encode_codes`, or ChatTTS's
+    ``sample_audio_speaker``), every size bounded before it is expanded: at most
+    ``max_frames`` frames, ``num_vq`` codebooks when given, every code below ``max_code``
+    when given. :class:`SpeakerError` otherwise."""
+    import pybase16384 as b14
+
+    if not isinstance(text, str) or not 0 < len(text) <= MAX_SAMPLE_CHARS:
+        raise SpeakerError(f"a code sample is a string of 1 to {MAX_SAMPLE_CHARS} characters")
+    try:
+        raw = b14.decode_from_string(text)
+    except Exception:
+        raise SpeakerError("not a ChatTTS code sample (base16384)") from None
+    if len(raw) < 5:
+        raise SpeakerError("code sample too short")
+    vq, frames = (int(x) for x in np.frombuffer(raw[:4], dtype="<u2"))
+    if not 1 <= vq <= MAX_NUM_VQ or (num_vq is not None and vq != num_vq):
+        raise SpeakerError(f"code sample has {vq} codebooks"
+                           + (f"; this model has {num_vq}" if num_vq is not None else ""))
+    if not 1 <= frames <= max_frames:
+        raise SpeakerError(f"code sample has {frames} frames; 1 to {max_frames} allowed")
+    want = 2 * vq * frames
+    try:
+        decompressor = lzma.LZMADecompressor(format=lzma.FORMAT_RAW, filters=[
+            {"id": lzma.FILTER_LZMA2, "dict_size": 1 << max(12, want.bit_length())}])
+        out = decompressor.decompress(raw[4:], max_length=want + 1)
+    except lzma.LZMAError:
+        raise SpeakerError("code sample does not decompress") from None
+    if len(out) != want:
+        raise SpeakerError("code sample's codes do not match its shape")
+    if max_code is not None and want and int(np.frombuffer(out, "<u2").max()) >= max_code:
+        raise SpeakerError(f"code sample has codes of {max_code} or more")
+    return bytes(out), vq

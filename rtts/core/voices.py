@@ -28,6 +28,14 @@ file::
 
     {"name": "narrator", "speaker": null, "seed": 1234,
      "params": {"temperature": 0.2, "top_P": 0.7}, "created_at": 1767225600.0}
+
+**Samples.** A voice may also hold a *sample*: audio codes and their transcript
+(``"sample": {"codes": "<ChatTTS packed codes>", "text": "..."}``, the codes in ChatTTS's
+own ``spk_smp`` form, at most :data:`~rtts.core.params.MAX_SAMPLE_SECONDS` of them). Every
+segment spoken with the voice is conditioned on it (ChatTTS's ``spk_smp``/``txt_smp``). A
+voice made from an uploaded clip has the sample alone (its prompt uses ``[empty_spk]``); a
+voice saved from a context the server spoke keeps that context's speaker and its first
+segment's codes.
 """
 
 from __future__ import annotations
@@ -49,15 +57,22 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from rtts.core.params import SynthParams
+from rtts.core.params import (
+    FRAMES_PER_SECOND,
+    MAX_SAMPLE_SECONDS,
+    MAX_SAMPLE_TEXT_CHARS,
+    NO_SPEAKER,
+    SpeakerSample,
+    SynthParams,
+)
 from rtts.core.params import parse_params as parse_synth_params
-from rtts.core.speaker import MAX_SPEAKER_CHARS, SpeakerError
+from rtts.core.speaker import MAX_SPEAKER_CHARS, SpeakerError, decode_codes, encode_codes
 from rtts.core.speaker import decode_speaker as _decode_bounded
 from rtts.errors import ProtocolError, RttsError
 
 __all__ = ["BUILTIN_VOICES", "NAME_RE", "PARAM_KEYS", "Voice", "VoiceError", "VoiceStore",
-           "check_name", "check_speaker", "decode_speaker", "default_voices_dir",
-           "parse_params"]
+           "check_name", "check_sample", "check_speaker", "decode_speaker",
+           "default_voices_dir", "parse_params", "sample_json"]
 
 logger = logging.getLogger("rtts.core.voices")
 
@@ -70,7 +85,8 @@ BUILTIN_VOICES: Final[dict[str, int]] = {
     "clear": 6007,
 }
 # Params a voice may carry as defaults (the SynthParams fields besides ``voice``).
-PARAM_KEYS: Final = ("seed", "temperature", "top_P", "top_K", "speed", "refine")
+PARAM_KEYS: Final = ("seed", "temperature", "top_P", "top_K", "speed", "refine", "anchor",
+                     "oral", "laugh", "breaks", "repetition_penalty")
 _DEFAULTS: Final = SynthParams()
 
 
@@ -95,17 +111,24 @@ class Voice:
     builtin: bool = False
     engine: str | None = None  # the engine that speaks it (None: the server's primary)
     target: str | None = None  # another engine's voice string (``piper:NAME``)
+    sample: SpeakerSample | None = None  # codes + transcript every prompt is conditioned on
 
     @property
     def voice(self) -> str:
-        """The engine's voice string: ``target``, the speaker string, or ``seed:N``."""
+        """The engine's voice string: ``target``, the speaker string, ``seed:N``, or
+        :data:`~rtts.core.params.NO_SPEAKER` for a sample alone."""
         if self.target is not None:
             return self.target
-        return self.speaker if self.speaker is not None else f"seed:{self.seed}"
+        if self.speaker is not None:
+            return self.speaker
+        return f"seed:{self.seed}" if self.seed is not None else NO_SPEAKER
 
     def to_file(self) -> dict[str, Any]:
-        return {"name": self.name, "speaker": self.speaker, "seed": self.seed,
-                "params": dict(self.params), "created_at": self.created_at}
+        out = {"name": self.name, "speaker": self.speaker, "seed": self.seed,
+               "params": dict(self.params), "created_at": self.created_at}
+        if self.sample is not None:
+            out["sample"] = sample_json(self.sample)
+        return out
 
     def describe(self) -> dict[str, Any]:
         """The public description (``GET /v1/voices``); the speaker string only by length."""
@@ -118,6 +141,9 @@ class Voice:
             out["seed"] = self.seed
         if self.speaker is not None:
             out["speaker"] = True
+        if self.sample is not None:
+            out["sample"] = {"seconds": round(self.sample.seconds, 2),
+                             "text": self.sample.text}
         if self.params:
             out["params"] = dict(self.params)
         if self.created_at is not None:
@@ -191,6 +217,29 @@ def check_speaker(speaker: Any, validate: Callable[[str], None] | None = None) -
     return speaker
 
 
+def sample_json(sample: SpeakerSample) -> dict[str, str]:
+    """A sample as a voice file (and a create request) holds it."""
+    return {"codes": encode_codes(sample.codes, sample.num_vq), "text": sample.text}
+
+
+def check_sample(obj: Any) -> SpeakerSample:
+    """A voice's sample: ``{"codes": <ChatTTS packed codes>, "text": <transcript>}``,
+    bounded (:data:`~rtts.core.params.MAX_SAMPLE_SECONDS` of codes), else VoiceError."""
+    if not isinstance(obj, dict) or set(obj) - {"codes", "text"}:
+        raise VoiceError("sample must be an object with codes and text", param="sample")
+    text = obj.get("text", "")
+    if not isinstance(text, str) or len(text) > MAX_SAMPLE_TEXT_CHARS:
+        raise VoiceError(f"sample text must be a string of at most {MAX_SAMPLE_TEXT_CHARS} "
+                         "characters", param="sample")
+    try:
+        codes, vq = decode_codes(obj.get("codes"),  # type: ignore[arg-type]
+                                 max_frames=int(MAX_SAMPLE_SECONDS * FRAMES_PER_SECOND) + 1,
+                                 max_code=1024)
+    except SpeakerError as exc:
+        raise VoiceError(f"sample: {exc}", param="sample") from None
+    return SpeakerSample(codes, text, vq)
+
+
 def _check_seed(seed: Any) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 2**31 - 1:
         raise VoiceError("seed must be an integer from 0 to 2147483647", param="seed")
@@ -201,16 +250,20 @@ def voice_from_json(obj: Any, name: str | None = None) -> Voice:
     """Validate a voice object (a file's content, or a create request without I/O)."""
     if not isinstance(obj, dict):
         raise VoiceError("a voice must be a JSON object")
-    unknown = sorted(set(obj) - {"name", "speaker", "seed", "params", "created_at"})
+    unknown = sorted(set(obj) - {"name", "speaker", "seed", "params", "created_at",
+                                 "sample"})
     if unknown:
         raise VoiceError(f"unknown fields {', '.join(map(str, unknown))}")
     got = check_name(obj.get("name"))
     if name is not None and got != name:
         raise VoiceError(f"the file for {name!r} names {got!r}")
     speaker, seed = obj.get("speaker"), obj.get("seed")
-    if (speaker is None) == (seed is None):
+    sample = check_sample(obj["sample"]) if obj.get("sample") is not None else None
+    if speaker is not None and seed is not None or (
+            speaker is None and seed is None and sample is None):
         raise VoiceError("give exactly one of seed (an integer) or speaker (a ChatTTS speaker "
-                         "embedding string)", param="seed" if seed is not None else "speaker")
+                         "embedding string), or a sample", param="seed" if seed is not None
+                         else "speaker")
     created = obj.get("created_at")
     if created is not None and (isinstance(created, bool) or not isinstance(
             created, int | float) or not math.isfinite(created)):
@@ -218,7 +271,7 @@ def voice_from_json(obj: Any, name: str | None = None) -> Voice:
     return Voice(got, speaker=check_speaker(speaker) if speaker is not None else None,
                  seed=_check_seed(seed) if seed is not None else None,
                  params=parse_params(obj.get("params")),
-                 created_at=float(created) if created is not None else None)
+                 created_at=float(created) if created is not None else None, sample=sample)
 
 
 _BUILTINS: Final = {n: Voice(n, seed=s, builtin=True) for n, s in BUILTIN_VOICES.items()}
@@ -343,16 +396,7 @@ class VoiceStore:
         if not isinstance(body, dict):
             raise VoiceError("the request body must be a JSON object")
         name = check_name(body.get("name"))
-        if name in _BUILTINS or name in self._engine_voices or name in self.reserved:
-            raise VoiceError(f"{name!r} is a built-in voice name", status=409, param="name")
-        if self.directory is None:
-            raise VoiceError("this server has no voices directory", status=403)
-        if owner is not None:
-            if self._path(name).exists():
-                raise VoiceError(f"{name!r} is a shared voice name", status=409, param="name")
-            if len(self._names(owner)) >= self.max_per_owner:
-                raise VoiceError(f"at most {self.max_per_owner} voices per key; delete one "
-                                 "first", status=403, param="name", api_code="voice_limit")
+        self.check_new(name, owner)
         voice = voice_from_json({**body, "created_at": time.time() if now is None else now})
         if voice.speaker is not None:
             check_speaker(voice.speaker, validate)
@@ -365,6 +409,23 @@ class VoiceStore:
             raise VoiceError(f"cannot store the voice: {exc.strerror or exc}",
                              status=500) from None
         return self._stamp(voice)
+
+    def check_new(self, name: str, owner: str | None = None) -> None:
+        """Whether ``owner`` may create ``name`` now (before costly work, e.g. encoding an
+        uploaded clip); :class:`VoiceError` otherwise. :meth:`create` checks again."""
+        check_name(name)
+        if name in _BUILTINS or name in self._engine_voices or name in self.reserved:
+            raise VoiceError(f"{name!r} is a built-in voice name", status=409, param="name")
+        if self.directory is None:
+            raise VoiceError("this server has no voices directory", status=403)
+        if owner is not None:
+            if self._path(name).exists():
+                raise VoiceError(f"{name!r} is a shared voice name", status=409, param="name")
+            if len(self._names(owner)) >= self.max_per_owner:
+                raise VoiceError(f"at most {self.max_per_owner} voices per key; delete one "
+                                 "first", status=403, param="name", api_code="voice_limit")
+        if self._path(name, owner).exists():
+            raise VoiceError(f"a voice named {name!r} exists", status=409, param="name")
 
     def _write_new(self, voice: Voice, owner: str | None = None) -> None:
         """Write to a temporary file, then link it to its name: atomic, and exclusive (a
@@ -427,6 +488,8 @@ class VoiceStore:
         if voice is None:
             return params
         changes: dict[str, Any] = {"voice": voice.voice}
+        if voice.sample is not None:
+            changes["sample"] = voice.sample
         for key, value in voice.params.items():
             if getattr(params, key) == getattr(_DEFAULTS, key):
                 changes[key] = value

@@ -22,10 +22,10 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from rtts.core.params import SynthParams
+from rtts.core.params import SpeakerSample, SynthParams
 
-__all__ = ["ContinuousEngine", "Engine", "EngineInfo", "EngineOutput", "Serve", "SynthRequest",
-           "fixed_batch"]
+__all__ = ["ContinuousEngine", "Engine", "EngineInfo", "EngineOutput", "SampleEngine", "Serve",
+           "SynthRequest", "fixed_batch"]
 
 
 @dataclass(eq=False)
@@ -38,6 +38,9 @@ class SynthRequest:
     max_new_token: int | None = None
     degraded: bool = False  # server under load: the engine may use cheaper settings
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # set by an engine with codes (``info.samples``) before the request's end: the codes it
+    # generated and the text they say (a context anchors its later segments on it)
+    produced: SpeakerSample | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -76,6 +79,9 @@ class EngineInfo:
     max_wait_ms: float | None = None
     kernels: Mapping[str, Any] | None = None
     details: Mapping[str, Any] = field(default_factory=dict)
+    # conditions prompts on a SpeakerSample (SynthParams.sample), sets
+    # SynthRequest.produced, and encodes audio clips to samples: a SampleEngine
+    samples: bool = False
 
     @property
     def random_weights(self) -> bool:
@@ -133,6 +139,16 @@ class ContinuousEngine(Engine, Protocol):
     def serve(self, admit: Callable[[int], Sequence[SynthRequest]], slots: int
               ) -> Generator[tuple[SynthRequest, npt.NDArray[np.float32] | None], None, None]:
         """See :data:`Serve`; closing the generator stops the batch at its next step."""
+
+
+@runtime_checkable
+class SampleEngine(Engine, Protocol):
+    """An engine whose ``info.samples`` is true: voices from a reference clip."""
+
+    def encode_sample(self, audio: npt.NDArray[np.float32], text: str) -> SpeakerSample:
+        """The sample of ``audio`` (float32 mono at ``sample_rate``, already bounded to
+        :data:`~rtts.core.params.MAX_SAMPLE_SECONDS`) saying ``text``. Blocking (a device
+        forward): call it off the event loop. ``ValueError`` for audio it cannot use."""
 
 
 def fixed_batch(serve: Serve, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:

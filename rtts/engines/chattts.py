@@ -40,7 +40,13 @@ import numpy as np
 import numpy.typing as npt
 
 from rtts.config import EngineConfig
-from rtts.core.params import SynthParams
+from rtts.core.params import (
+    FRAMES_PER_SECOND,
+    MAX_SAMPLE_SECONDS,
+    NO_SPEAKER,
+    SpeakerSample,
+    SynthParams,
+)
 from rtts.core.speaker import decode_speaker
 from rtts.engines import kernels
 from rtts.engines.base import EngineInfo, EngineOutput, SynthRequest, fixed_batch
@@ -101,6 +107,7 @@ class ChatTTSEngine:
     continuous = True  # serve(): requests join the running batch
     bake_weight_norm = True
     select_kernels = True  # measure and install the GPT's linear kernels (kernels.py)
+    samples = True  # conditions rows on samples, reports each request's codes (anchoring)
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -113,6 +120,7 @@ class ChatTTSEngine:
         self.weights: dict[str, str] = {"kind": "unloaded", "source": "", "identity": ""}
         self._voices: OrderedDict[str, Any] = OrderedDict()
         self._voice_lock = threading.Lock()
+        self._encode_lock = threading.Lock()  # one DVAE encode at a time
         self._default_voice: Any = None
         self.kernel_table: kernels.KernelTable | None = None
         # torch's thread count, chosen from the steps as they run (gpt_loop.ThreadTuner)
@@ -134,7 +142,7 @@ class ChatTTSEngine:
                 steps, self.decode_s_per_audio_s, self.config.batch_rows)
         return EngineInfo(self.name, self.sample_rate, device=self.device,
                           continuous=self.continuous, weights=dict(self.weights),
-                          kernels=kern, **self._scheduling())
+                          kernels=kern, samples=self.samples, **self._scheduling())
 
     def _scheduling(self) -> dict[str, Any]:
         """The scheduler shape this engine needs (none: the server's settings)."""
@@ -250,6 +258,8 @@ class ChatTTSEngine:
 
         if voice is None:
             return self._default_voice
+        if voice == NO_SPEAKER:
+            return None  # [empty_spk]: the sample alone
         with self._voice_lock:
             cached = self._voices.get(voice)
             if cached is not None:
@@ -274,6 +284,48 @@ class ChatTTSEngine:
     def validate(self, params: SynthParams) -> None:
         """Raise ``ValueError`` if the params cannot be used with this model."""
         self._voice_tensor(params.voice)
+        if params.voice == NO_SPEAKER and params.sample is None:
+            raise ValueError(f"voice {NO_SPEAKER} needs a speaker sample")
+        if params.sample is not None:
+            self._sample_codes(params.sample)
+
+    def _sample_codes(self, sample: SpeakerSample) -> Any:
+        """The ``(num_vq, frames)`` code tensor of ``sample``, checked against the model."""
+        import torch
+
+        cfg = self.chat.config.gpt
+        frames = sample.frames
+        if sample.num_vq != cfg.num_vq or frames < 1 or \
+                len(sample.codes) != 2 * sample.num_vq * frames:
+            raise ValueError(f"speaker sample must have {cfg.num_vq} codebooks")
+        if frames > MAX_SAMPLE_SECONDS * FRAMES_PER_SECOND + 1:
+            raise ValueError(f"speaker sample is longer than {MAX_SAMPLE_SECONDS:g} s")
+        arr = np.frombuffer(sample.codes, dtype="<u2").reshape(sample.num_vq, frames)
+        if int(arr.max()) >= cfg.num_audio_tokens - 1:
+            raise ValueError("speaker sample has codes this model does not have")
+        return torch.from_numpy(arr.astype(np.int64))
+
+    def encode_sample(self, audio: npt.NDArray[np.float32], text: str) -> SpeakerSample:
+        """ChatTTS's ``sample_audio_speaker``: the DVAE encoder's codes of ``audio`` (24 kHz
+        mono float32), with ``text`` normalized as a segment's text is."""
+        import torch
+
+        chat = self.chat
+        if chat is None:
+            raise RuntimeError("engine not loaded")
+        if audio.ndim != 1 or audio.size < 2 * SAMPLES_PER_TOKEN:
+            raise ValueError("the clip is too short")
+        if not np.isfinite(audio).all():
+            raise ValueError("the clip has non-finite samples")
+        with torch.no_grad(), self._encode_lock:
+            codes = chat.dvae.sample_audio(torch.from_numpy(
+                np.ascontiguousarray(audio, dtype=np.float32)).to(chat.device))
+        arr = codes.to("cpu", torch.int64).numpy()
+        if arr.ndim != 2:
+            raise ValueError("the DVAE gave no codes for this clip")
+        spoken = chat.normalizer(text, True, True, None) or text
+        return SpeakerSample(np.ascontiguousarray(arr.astype("<u2")).tobytes(), spoken,
+                             int(arr.shape[0]))
 
     def batch_key(self, params: SynthParams) -> Hashable:
         return None  # voice, speed and every sampling setting are per row
@@ -299,7 +351,7 @@ class ChatTTSEngine:
         for k, r in enumerate(batch):
             # Refine is an extra GPT pass over the text (the running rows wait for it):
             # per request, and skipped under load.
-            if r.params.refine and not r.degraded:
+            if r.params.refines and not r.degraded:
                 refined = chat._refine_text([texts[k]], chat.device,
                                             _refine_params(chat, r.params))
                 ids = [i[i.less(chat.tokenizer.break_0_ids)] for i in refined.ids]
@@ -309,30 +361,65 @@ class ChatTTSEngine:
         return texts
 
     def _specs(self, batch: Sequence[SynthRequest]) -> list[RowSpec]:
-        """Prompt embeddings (speaker and speed applied) and sampling settings per row."""
+        """Prompt embeddings (speaker, speed and sample applied) and sampling settings per
+        row. A row with a sample (``params.sample``: a voice's reference clip, or its
+        context's first segment) is ChatTTS's ``spk_smp``/``txt_smp`` prompt,
+        ``[Stts][spk_emb]{sample text}[speed_N]{text}[Ptts]`` (``[empty_spk]`` for a
+        sample-only voice) followed by the sample's codes; it is encoded alone (ChatTTS's
+        tokenizer takes one code prompt per batch), the plain rows together."""
         chat = self.chat
         texts = self._texts(batch)
         num_vq = chat.config.gpt.num_vq
-        prompts: list[str] = []
-        for text, r in zip(texts, batch, strict=True):
-            prompts += chat.speaker.decorate_code_prompts(
-                [text], f"[speed_{r.params.speed}]", None, "spk")
-        input_ids, attention_mask, text_mask = chat.tokenizer.encode(
-            prompts, num_vq, device=chat.device_gpt)
-        emb = chat.embed(input_ids, text_mask)
+        embs: list[Any] = [None] * len(batch)
+        plain = [k for k, r in enumerate(batch) if r.params.sample is None]
+        groups: list[tuple[list[int], Any]] = []
+        if plain:
+            groups.append((plain, None))
+        groups += [([k], r.params.sample) for k, r in enumerate(batch)
+                   if r.params.sample is not None]
+        for rows, sample in groups:
+            input_ids, attention_mask, text_mask = self._encode(
+                [batch[k] for k in rows], [texts[k] for k in rows], sample)
+            emb = chat.embed(input_ids, text_mask)
+            for j, k in enumerate(rows):
+                voice = self._voice_tensor(batch[k].params.voice)
+                if voice is not None:
+                    chat.speaker.apply(emb[j:j + 1], voice, input_ids[j:j + 1],
+                                       chat.tokenizer.spk_emb_ids, chat.gpt.device_gpt)
+                embs[k] = emb[j][attention_mask[j].bool()].detach()
         fixed = bool(self.config.fixed_tokens)
         specs = []
-        for row, r in enumerate(batch):
-            chat.speaker.apply(emb[row:row + 1], self._voice_tensor(r.params.voice),
-                               input_ids[row:row + 1], chat.tokenizer.spk_emb_ids,
-                               chat.gpt.device_gpt)
+        for k, r in enumerate(batch):
             limit = self._max_tokens(r)
             p = r.params
+            r.produced = SpeakerSample(b"", texts[k], num_vq)  # codes filled at its end
             specs.append(RowSpec(
-                emb=emb[row][attention_mask[row].bool()].detach(), limit=limit,
+                emb=embs[k], limit=limit,
                 min_tokens=limit if fixed else 0, temperature=p.temperature, top_p=p.top_P,
-                top_k=p.top_K, seed=p.seed, tag=r))
+                top_k=p.top_K, seed=p.seed, penalty=p.repetition_penalty, tag=r))
         return specs
+
+    def _encode(self, rows: Sequence[SynthRequest], texts: Sequence[str],
+                sample: SpeakerSample | None) -> tuple[Any, Any, Any]:
+        """ChatTTS's tokenizer over the decorated prompts of ``rows`` (all with ``sample``
+        or all without): ``(input_ids (B, T, num_vq), attention_mask, text_mask)``."""
+        chat = self.chat
+        prompts: list[str] = []
+        for r, text in zip(rows, texts, strict=True):
+            spk = None if r.params.voice == NO_SPEAKER else "spk"
+            prompts += chat.speaker.decorate_code_prompts(
+                [text], f"[speed_{r.params.speed}]", None if sample is None else sample.text,
+                spk)
+        return chat.tokenizer.encode(  # type: ignore[no-any-return]
+            prompts, chat.config.gpt.num_vq,
+            prompt=None if sample is None else self._sample_codes(sample),
+            device=chat.device_gpt)
+
+    def prompt_tokens(self, request: SynthRequest) -> Any:
+        """The ``(T, num_vq)`` prompt token ids of ``request`` as it would join a batch
+        (tests and debugging: what a row is conditioned on)."""
+        ids, mask, _ = self._encode([request], self._texts([request]), request.params.sample)
+        return ids[0][mask[0].bool()]
 
     def batch(self, slots: int) -> BatchedGpt:
         """An empty continuous batch of ``slots`` rows over the loaded GPT."""
@@ -430,7 +517,19 @@ class ChatTTSEngine:
                 yield x.request, chunk
             if final:
                 x.done = True
+                _record_codes(x)
                 yield x.request, None
+
+
+def _record_codes(x: _Live) -> None:
+    """The row's generated codes, as the ``(num_vq, frames)`` sample of its text."""
+    r, row = x.request, x.row
+    if r.produced is None or row.length == 0:
+        r.produced = None
+        return
+    codes = row.codes[:row.length].t().to("cpu").numpy().astype("<u2")
+    r.produced = SpeakerSample(np.ascontiguousarray(codes).tobytes(), r.produced.text,
+                               int(codes.shape[0]))
 
 
 @dataclass(eq=False)
@@ -459,9 +558,9 @@ def _bake_weight_norm(chat: Any) -> None:
 
 
 def _refine_params(chat: Any, params: SynthParams) -> Any:
-    return chat.RefineTextParams(prompt="", top_P=params.top_P, top_K=params.top_K,
-                              temperature=params.temperature, max_new_token=384,
-                              show_tqdm=False, manual_seed=params.seed)
+    return chat.RefineTextParams(prompt=params.refine_prompt, top_P=params.top_P,
+                                 top_K=params.top_K, temperature=params.temperature,
+                                 max_new_token=384, show_tqdm=False, manual_seed=params.seed)
 
 
 class StockChatTTSEngine(ChatTTSEngine):
@@ -477,6 +576,9 @@ class StockChatTTSEngine(ChatTTSEngine):
     continuous = False
     bake_weight_norm = False  # the Chat exactly as ChatTTS builds it
     select_kernels = False
+    # a sample voice's sample is passed on (spk_smp/txt_smp), but no request's codes come
+    # back, so contexts do not anchor on it (the baseline keeps its lookahead)
+    samples = False
 
     def batch_key(self, params: SynthParams) -> Hashable:
         return object()  # never batch
@@ -489,15 +591,22 @@ class StockChatTTSEngine(ChatTTSEngine):
         for row, r in enumerate(batch):
             p = r.params
             tokens = self._max_tokens(r)
+            voice = self._voice_tensor(p.voice)
+            sample = p.sample
             code = chat.InferCodeParams(
                 prompt=f"[speed_{p.speed}]",
-                spk_emb=chat.speaker._encode(self._voice_tensor(p.voice)),
+                spk_emb=None if voice is None else chat.speaker._encode(voice),
+                spk_smp=None if sample is None else chat.speaker.encode_prompt(
+                    self._sample_codes(sample)),
+                txt_smp=None if sample is None else sample.text,
+                repetition_penalty=p.repetition_penalty,
                 temperature=p.temperature, top_P=p.top_P, top_K=p.top_K,
                 max_new_token=tokens,
                 min_new_token=tokens if self.config.fixed_tokens else 0,
                 manual_seed=p.seed, show_tqdm=False)
-            refine = chat.RefineTextParams(show_tqdm=False, manual_seed=p.seed)
-            stream = chat.infer([r.text], stream=True, skip_refine_text=not p.refine,
+            refine = chat.RefineTextParams(prompt=p.refine_prompt, show_tqdm=False,
+                                           manual_seed=p.seed)
+            stream = chat.infer([r.text], stream=True, skip_refine_text=not p.refines,
                                 split_text=False, params_refine_text=refine,
                                 params_infer_code=code)
             try:

@@ -4,6 +4,9 @@ It exists so the server, scheduler and client library can be tested and benchmar
 without a model. Each request yields a sine tone whose pitch follows the voice and seed
 and whose length follows the text (``ms_per_char``), in ``chunk_ms`` pieces, after
 ``first_chunk_latency_ms``, at ``rtf`` times real time (0 = as fast as possible).
+It has samples as ChatTTS has them (``info.samples``): each request's ``produced`` sample
+is codes derived from its text and voice, and :meth:`FakeEngine.encode_sample` derives codes
+from a clip's loudness, one frame per 512 samples; the tone ignores samples.
 Text containing ``"[fail]"`` raises, and ``"[hang]"`` blocks until cancelled (tags in ChatTTS's
 bracket style, which text normalization leaves alone), so tests
 can exercise the error and timeout paths.
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from rtts.core.params import SynthParams
+from rtts.core.params import FRAMES_PER_SECOND, SpeakerSample, SynthParams
 from rtts.engines.base import EngineInfo, EngineOutput, SynthRequest, fixed_batch
 
 __all__ = ["FakeEngine"]
@@ -53,7 +56,7 @@ class FakeEngine:
     @property
     def info(self) -> EngineInfo:
         return EngineInfo(self.name, self.sample_rate, continuous=self.continuous,
-                          weights={"kind": "none", "source": self.name,
+                          samples=True, weights={"kind": "none", "source": self.name,
                                    "identity": self.identity})
 
     def load(self) -> None:
@@ -61,6 +64,24 @@ class FakeEngine:
 
     def validate(self, params: SynthParams) -> None:
         """Any voice string will do: the tone's pitch follows it."""
+
+    def encode_sample(self, audio: npt.NDArray[np.float32], text: str) -> SpeakerSample:
+        """Codes from the clip's loudness per 512-sample frame (deterministic)."""
+        frames = audio.size // 512
+        if frames < 2:
+            raise ValueError("the clip is too short")
+        rms = np.sqrt(np.mean(audio[:frames * 512].astype(np.float64).reshape(frames, 512)
+                              ** 2, axis=1))
+        level = np.minimum(624, (rms * 2000).astype(np.int64))
+        codes = np.stack([(level + k) % 625 for k in range(4)]).astype("<u2")
+        return SpeakerSample(codes.tobytes(), text, 4)
+
+    def _produced(self, request: SynthRequest, samples: int) -> SpeakerSample:
+        frames = max(1, min(int(samples / self.sample_rate * FRAMES_PER_SECOND), 2048))
+        seed = hashlib.sha256(f"{request.text}|{request.params.voice}".encode()).digest()
+        codes = np.random.default_rng(int.from_bytes(seed[:8], "little")).integers(
+            0, 625, (4, frames)).astype("<u2")
+        return SpeakerSample(codes.tobytes(), request.text, 4)
 
     def warmup(self) -> None:
         for _ in self.generate([SynthRequest("warm up", SynthParams())]):
@@ -116,6 +137,7 @@ class FakeEngine:
                 row.pos += n
                 if row.pos >= row.total:
                     row.done = True
+                    r.produced = self._produced(r, row.total)
                     yield r, None
             live = [row for row in live if not row.done]
             if self.rtf and live:

@@ -63,6 +63,7 @@ class RowSpec:
     top_p: float = 0.7
     top_k: int = 20
     seed: int | None = None
+    penalty: float | None = None  # repetition penalty (None: the batch's)
     tag: Any = None  # the caller's handle (e.g. its request)
 
 
@@ -304,7 +305,8 @@ class BatchedGpt:
         """ChatTTS's repetition penalty over each row's last 16 codes (per codebook)."""
         import torch
 
-        if self.penalty == 1.0:
+        penalties = [self.penalty if r.spec.penalty is None else r.spec.penalty for r in rows]
+        if all(p == 1.0 for p in penalties):
             return logits
         vq = self.num_vq
         width = min(PENALTY_WINDOW, max(r.length for r in rows))
@@ -320,7 +322,11 @@ class BatchedGpt:
         hist = hist.permute(0, 2, 1).reshape(len(rows) * vq, width)
         weight = weight.permute(0, 2, 1).reshape(len(rows) * vq, width)
         freq = torch.zeros_like(logits).scatter_add_(1, hist, weight)
-        alpha = torch.pow(self.penalty, freq)
+        if all(p == penalties[0] for p in penalties):
+            alpha = torch.pow(penalties[0], freq)
+        else:  # per row (each row's vq codebooks share its penalty)
+            base = torch.tensor(penalties, device=logits.device).repeat_interleave(vq)
+            alpha = torch.pow(base.unsqueeze(1), freq)
         return torch.where(logits < 0, logits * alpha, logits / alpha)
 
     def _after_draw(self, rows: Sequence[GptRow], h: Any, drawn: Any) -> None:

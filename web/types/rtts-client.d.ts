@@ -204,6 +204,15 @@ export class RttsClient extends EventTarget {
     _report(u: any, playedMs: any, bufferedMs: any, force?: boolean): void;
     _onStats(stats: any): void;
     /**
+     * Store the voice a context spoke (its speaker plus its first segment's codes and text)
+     * as a named voice on the server (native `save_voice`): later contexts started with
+     * `voice: name` speak with it. The context may be open or recently done.
+     * @param {string} contextId
+     * @param {string} name  1-64 characters of a-z, 0-9, `_` and `-`
+     * @returns {Promise<object>} the saved voice, as `GET /v1/voices/{name}` describes it
+     */
+    saveVoice(contextId: string, name: string): Promise<object>;
+    /**
      * Barge-in: stop a context now, in any state. Playback fades out within 5 ms, late
      * frames are dropped. An utterance still queued is dropped from the queue. When the
      * server has it, the client reports what was played and sends `cancel`; the promise

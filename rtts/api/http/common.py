@@ -144,7 +144,9 @@ def number_param(name: str, value: object, *, integer: bool) -> int | float:
 # The synthesis parameters a request may carry as plain options (a query string, a JSON
 # object), by type (:func:`speech_options`).
 START_OPTIONS: Final = {"voice": str, "seed": int, "temperature": float, "top_P": float,
-                        "top_K": int, "speed": int, "sample_rate": int}
+                        "top_K": int, "speed": int, "sample_rate": int, "anchor": bool,
+                        "oral": int, "laugh": int, "breaks": int,
+                        "repetition_penalty": float}
 
 
 def speech_options(service: Service, options: Mapping[str, object],
@@ -159,6 +161,13 @@ def speech_options(service: Service, options: Mapping[str, object],
         if kind is str:
             if not isinstance(value, str):
                 raise ApiError(400, f"{key} must be a string", param=key)
+            given[key] = value
+        elif kind is bool:
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+                value = value.lower() in ("true", "1")
+            if not isinstance(value, bool):
+                raise ApiError(400, f"{key} must be true or false", param=key,
+                               code="invalid_params")
             given[key] = value
         else:
             given[key] = number_param(key, value, integer=kind is int)

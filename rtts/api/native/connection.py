@@ -43,6 +43,7 @@ from rtts.api.native.protocol import (
     SUPPORTED_FORMATS,
     CancelMessage,
     FrameHeader,
+    SaveVoiceMessage,
     StartMessage,
     pack_frame,
     parse_client_message,
@@ -62,7 +63,9 @@ from rtts.audio.codecs import Encoder, open_encoder
 from rtts.audio.pcm import StreamingResampler, float_to_pcm16
 from rtts.core.context import Audio, Done, SegmentDone, SegmentFailed, SegmentStarted
 from rtts.core.governor import Level
+from rtts.core.params import NO_SPEAKER, SpeakerSample
 from rtts.core.service import Service
+from rtts.core.voices import VoiceError, sample_json
 from rtts.errors import (
     CLOSE_IDLE,
     CLOSE_POLICY_VIOLATION,
@@ -138,6 +141,8 @@ class NativeEndpoint:
 
 
 _DEAD_SERIALS_KEPT = 1024
+_SPOKEN_KEPT = 16  # ended contexts whose voice save_voice may still store
+_MAX_SAVES = 32  # save_voice messages per connection
 
 # Below this many bytes waiting in the transport, ws.send() writes without waiting
 # (websockets pauses writers above its write_limit, 256 KiB here).
@@ -167,6 +172,10 @@ class Connection:
         self.out: asyncio.Queue[tuple[int, str | bytes | _Close, float]] = asyncio.Queue(
             maxsize=app.config.send_queue_frames)
         self.pipelines: dict[str, ContextPipeline] = {}
+        self.endpoint = endpoint
+        # the voice and anchor sample of the last contexts that ended (save_voice)
+        self.spoken: OrderedDict[str, tuple[str | None, SpeakerSample]] = OrderedDict()
+        self.saves = 0
         # serials of cancelled contexts whose queued frames must not be sent; bounded: the
         # send queue is FIFO and shorter than this, so older ones have no frames left
         self.dead_serials: OrderedDict[int, None] = OrderedDict()
@@ -293,6 +302,9 @@ class Connection:
             try:
                 msg = parse_client_message(
                     message, max_text_chars=self.cfg.limits.max_text_chars_per_message)
+                if isinstance(msg, SaveVoiceMessage):
+                    await self.send(0, await self._save_voice(msg))
+                    continue
                 if isinstance(msg, StartMessage):
                     self._check_start(msg)
                 elif isinstance(msg, CancelMessage):
@@ -303,6 +315,34 @@ class Connection:
                 continue
             await self._apply(actions)
             self._timer_wakeup.set()
+
+    async def _save_voice(self, msg: SaveVoiceMessage) -> dict[str, Any]:
+        """Store what a context speaks as a named voice (this connection's key's own):
+        ``voice_saved`` with the voice, or a ``ProtocolError``."""
+        pipeline = self.pipelines.get(msg.context_id)
+        spoken = pipeline.voice() if pipeline is not None else self.spoken.get(msg.context_id)
+        if spoken is None:
+            raise ProtocolError(f"context {msg.context_id!r} has no voice to save (it has "
+                                "not spoken a segment yet, or it is too old)",
+                                code=ErrorCode.UNKNOWN_CONTEXT)
+        if self.saves >= _MAX_SAVES:
+            raise ProtocolError(f"at most {_MAX_SAVES} save_voice per connection",
+                                code=ErrorCode.RATE_LIMITED)
+        if self.endpoint.auth.enabled and self.owner is None:
+            raise ProtocolError("this key owns no voices", code=ErrorCode.INVALID_PARAMS)
+        voice, sample = spoken
+        body: dict[str, Any] = {"name": msg.name, "sample": sample_json(sample)}
+        if voice is not None and voice.startswith("seed:"):
+            body["seed"] = int(voice[5:])
+        elif voice is not None and voice != NO_SPEAKER:
+            body["speaker"] = voice
+        self.saves += 1
+        try:
+            saved = await asyncio.to_thread(self.app.voices.create, body, owner=self.owner)
+        except VoiceError as exc:
+            raise ProtocolError(exc.message, code=ErrorCode.INVALID_PARAMS) from None
+        return {"type": "voice_saved", "context_id": msg.context_id,
+                "voice": saved.describe()}
 
     def _check_start(self, msg: StartMessage) -> None:
         self.app.check_admission()
@@ -364,6 +404,12 @@ class Connection:
 
     def _forget(self, cid: str, pipeline: ContextPipeline, task: asyncio.Task[None]) -> None:
         pipeline.task = None  # break pipeline -> task -> exception -> frame -> pipeline
+        spoken = pipeline.voice()
+        if spoken is not None:  # save_voice may still name it
+            self.spoken[cid] = spoken
+            self.spoken.move_to_end(cid)
+            while len(self.spoken) > _SPOKEN_KEPT:
+                self.spoken.popitem(last=False)
         if self.pipelines.get(cid) is pipeline:
             del self.pipelines[cid]
         self.app.activity.set()
@@ -429,6 +475,13 @@ class ContextPipeline:
         self.chunks: dict[int, Chunk] = {}  # queued segments by index
         self.task: asyncio.Task[None] | None = None
         self.pacer = LeadPacer(conn.cfg.max_lead_s)
+
+    def voice(self) -> tuple[str | None, SpeakerSample] | None:
+        """What this context speaks: its voice string and its sample (the anchor, or the
+        voice's own), once it has one."""
+        speech = self.speech
+        sample = speech.anchor or speech.params.sample
+        return None if sample is None else (speech.params.voice, sample)
 
     def add(self, job: Synthesize) -> None:
         self.chunks[job.index] = job.chunk

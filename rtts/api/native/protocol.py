@@ -11,6 +11,9 @@ Client -> server messages are JSON objects in text frames, each with a ``type``:
 ``flush``   ``context_id``: synthesize what is buffered now, without waiting for punctuation
 ``cancel``  ``context_id``: stop this context now; queued and in-flight audio is dropped
 ``end``     ``context_id``: no more text; the server finishes the audio and sends ``done``
+``save_voice`` ``context_id``, ``name``: store the voice this context speaks as a named
+            voice (its speaker plus its first segment's codes and text as the sample; the
+            context may be open or among the last 16 that ended): ``voice_saved`` answers
 ``playback`` ``context_id``, ``played_ms`` (how much of the context's audio the client has
             really played, in ms of that audio), optional ``buffered_ms``: what the
             server paces on instead of its wall-clock estimate (see :mod:`rtts.api.native.pacing`)
@@ -64,6 +67,7 @@ __all__ = [
     "FlushMessage",
     "FrameHeader",
     "PlaybackMessage",
+    "SaveVoiceMessage",
     "StartMessage",
     "TextMessage",
     "encode_event",
@@ -130,8 +134,16 @@ class PlaybackMessage:
     buffered_ms: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class SaveVoiceMessage:
+    """Store the voice a context speaks (its speaker and anchor sample) under ``name``."""
+
+    context_id: str
+    name: str
+
+
 ClientMessage = (StartMessage | TextMessage | FlushMessage | CancelMessage | EndMessage
-                 | PlaybackMessage)
+                 | PlaybackMessage | SaveVoiceMessage)
 
 # A playback report beyond this is absurd (a context's audio is far shorter than a day).
 MAX_PLAYBACK_MS: Final = 86_400_000.0
@@ -247,6 +259,11 @@ def parse_client_message(data: str | bytes, *, max_text_chars: int = 20_000) -> 
         return EndMessage(_context_id(obj))
     if kind == "playback":
         return _parse_playback(obj)
+    if kind == "save_voice":
+        name = obj.get("name")
+        if not isinstance(name, str) or not 0 < len(name) <= 64:
+            raise _bad("save_voice needs a name", ErrorCode.INVALID_MESSAGE)
+        return SaveVoiceMessage(_context_id(obj), name)
     if not isinstance(kind, str):
         raise _bad("message needs a string 'type'", ErrorCode.INVALID_MESSAGE)
     raise _bad(f"unknown message type {kind[:40]!r}", ErrorCode.UNKNOWN_TYPE)

@@ -266,6 +266,7 @@ class Session:
             actions += self._queue(ctx, ctx.segmenter.flush())
             ctx.ended = True
             return actions + self._check_marks(ctx)
+        # SaveVoiceMessage is the connection's (it needs the core context), never here
         raise ProtocolError("unsupported message", code=ErrorCode.UNKNOWN_TYPE)  # pragma: no cover
 
     def _text(self, ctx: ContextState, text: str) -> list[Action]:

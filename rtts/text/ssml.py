@@ -78,6 +78,9 @@ _NAME = re.compile(r"</?\s*([A-Za-z_][\w.:-]*)")
 _TAG_END = re.compile(r"<[^<>\"']*(?:(?:\"[^\"]*\"|'[^']*')[^<>\"']*)*([<>])")
 _SPECIAL = re.compile(r"[<&]")
 _DECLARATION = re.compile(r"<!(?!--)")  # anything but a comment: DOCTYPE, ENTITY, CDATA
+_TAIL_SETTLE = 1024  # characters given out before their script is settled anyway
+_TAIL_KEEP = 40  # kept after that: longer than any ChatTTS tag, which may still be arriving
+_TAG_REMNANT = re.compile(r"^\w*\]")  # the end of a tag whose start was dropped from the tail
 _MAX_ROOT_TAG = 1000  # characters of the <speak ...> start tag (it wraps every piece)
 
 
@@ -159,7 +162,9 @@ class SsmlReader:
         self._rates: list[float] = [1.0]
         self._final = False  # end(): nothing more will arrive
         self._space = True  # the last text given out ended in whitespace (or none yet)
-        self._unread: list[str] = []  # text given out since the language was last looked at
+        # the text given out since the language was last settled (its script is looked at
+        # only when a say-as needs it, or when it grows past _TAIL_SETTLE characters)
+        self._tail = ""
 
     def feed(self, text: str) -> list[Piece]:
         if self._root_closed and text.strip():
@@ -334,19 +339,21 @@ class SsmlReader:
         if not text:
             return []
         self._space = text[-1].isspace()
-        self._unread.append(text)  # its script is looked at only if a say-as needs it
-        if len(self._unread) > 256:
+        self._tail += text
+        if len(self._tail) > _TAIL_SETTLE:
             self._language()
         return [Piece(text, self._rates[-1])]
 
     def _language(self) -> Lang | None:
-        """The script of the last letter given out (the language say-as reads in)."""
-        while self._unread:
-            seen = last_script(self._unread.pop())
-            if seen is not None:
-                self.lang = seen
-                break
-        self._unread.clear()
+        """The script of the last letter given out (the language say-as reads in), outside
+        ``[tags]``: the text is looked at joined, since a tag may have been given out in two
+        pieces (``你好[la`` then ``ugh]``), and ``ugh]`` alone reads as Latin. After a look,
+        only the last :data:`_TAIL_KEEP` characters are kept (a tag still arriving); a kept
+        tail that starts inside a tag has that remnant masked."""
+        seen = last_script(_TAG_REMNANT.sub(" ", self._tail))
+        if seen is not None:
+            self.lang = seen
+        self._tail = self._tail[-_TAIL_KEEP:]
         return self.lang
 
     def _children(self, elem: Element, out: list[Piece]) -> None:

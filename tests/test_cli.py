@@ -90,6 +90,12 @@ def test_environment_sets_flags_and_the_command_line_wins(monkeypatch):
     assert cfg.auth.api_keys == ("k1", "k2")
     assert cfg.auth.allowed_origins == ("https://a.example", "https://b.example")
     assert cfg.slow_client_timeout_s == 3.5 and cfg.max_protocol_errors == 7
+    # `rtts worker` is serve with a job worker: it reads the same variables
+    monkeypatch.setenv("RTTS_CACHE_REDIS", "redis://cache:6379/0")
+    monkeypatch.setenv("RTTS_JOBS_REDIS", "redis://jobs:6379/1")
+    cfg = config_from_args(build_parser().parse_args(["worker"]))
+    assert cfg.cache.redis_url == "redis://cache:6379/0" and cfg.jobs.worker
+    assert cfg.port == 9100 and cfg.auth.api_keys == ("k1", "k2")
 
 
 def test_config_file_mirrors_the_flags(tmp_path, monkeypatch):

@@ -3,7 +3,8 @@
 :class:`Parser` is an :class:`argparse.ArgumentParser` whose every option, whoever added
 it and in whichever sub-command, also reads
 
-* an environment variable: ``RTTS_<DEST>`` for ``rtts serve`` and the global options
+* an environment variable: ``RTTS_<DEST>`` for ``rtts serve`` (and ``rtts worker``, which
+  is ``serve`` with a job worker) and the global options
   (``--max-queue`` -> ``RTTS_MAX_QUEUE``), ``RTTS_<COMMAND>_<DEST>`` for the other commands
   (``rtts bench chattts --tokens`` -> ``RTTS_BENCH_CHATTTS_TOKENS``); a few options keep
   their historical name (:data:`ENV_NAMES`);
@@ -87,7 +88,9 @@ def option_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
 def env_name(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
     """The environment variable of one option (see the module docstring)."""
     words = parser.prog.split()[1:]
-    if words == ["serve"] or not words:
+    # `rtts worker` is `rtts serve` with a job worker: the same flags, the same variables
+    # (a worker given RTTS_CACHE_REDIS must share the instances' cache, not ignore it)
+    if words in (["serve"], ["worker"]) or not words:
         prefix = "RTTS_"
         if action.dest in ENV_NAMES:
             return ENV_NAMES[action.dest]

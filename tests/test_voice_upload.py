@@ -18,6 +18,7 @@ import pytest
 
 from helpers import base_config, client, server
 from rtts.audio.decode import ClipError, decode_clip
+from rtts.core.governor import Level
 from rtts.core.params import NO_SPEAKER, SynthParams, parse_params, trim_sample
 from rtts.engines.fake import FakeEngine
 from rtts.errors import ProtocolError
@@ -155,6 +156,25 @@ async def test_later_segments_carry_the_first_segments_codes():
         submitted.clear()
         await _segments(app, text, voice="seed:3", anchor=False)
         assert len(submitted) == 3 and all(p.sample is None for p in submitted)
+
+
+async def test_a_degraded_server_does_not_wait_for_the_anchor():
+    engine = FakeEngine(ms_per_char=20, chunk_ms=50, rtf=1.0)
+    async with server(engine=engine) as (app, _):
+        app.governor.level = Level.DEGRADED  # as the governor sets it under load, and holds
+        app.governor.update = lambda signals, now: Level.DEGRADED  # type: ignore[method-assign]
+        ctx = app.open_context(SynthParams(voice="seed:3"), use_cache=False, schedule=(8,))
+        ctx.feed("First one here, a little longer. Second one now. And a third.")
+        ctx.end()
+        events = ctx.events()
+        async for event in events:
+            if type(event).__name__ == "Audio":
+                break
+        # the first segment is still being generated, and the later ones are submitted
+        assert ctx.anchor is None and len(ctx._inflight) > 1
+        async for _ in events:
+            pass
+        assert ctx.finished
 
 
 async def test_cancel_while_later_segments_wait_for_the_anchor():

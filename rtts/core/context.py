@@ -272,7 +272,10 @@ class SpeechContext:
         if source is None:
             return True
         if not source.finished:
-            return False
+            # Under load (the governor degraded) a later segment does not wait: the wait
+            # is silence when the engine is behind real time. It goes unanchored, as refine
+            # is skipped then; segments after the anchor exists still carry it.
+            return self.service.degraded
         self._anchor_source = None
         produced = source.request.produced
         if not source.request.cancelled.is_set() and produced is not None \

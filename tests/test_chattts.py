@@ -155,6 +155,7 @@ async def test_streams_through_the_server(tiny_checkpoint: Path):
         assert info["kernels"]["dtype"] == "auto" and 1 in info["kernels"]["chosen"]
         assert set(info["kernels"]["chosen"].values()) <= {"linear", "transposed", "bf16"}
         assert info["kernels"]["threads"] in (1, 2)  # what the ThreadTuner runs on now
+        assert info["kernels"]["kv_dtype"] in ("fp32", "bf16")  # the faster one measured
         # capacity measured from the steps and decodes that just ran
         kern = info["kernels"]
         assert kern["step_ms"] and all(ms > 0 for ms in kern["step_ms"].values())
@@ -228,10 +229,10 @@ def _spec(engine, text, n, seed=7, **kw):
     return RowSpec(emb=emb[0].detach(), limit=n, min_tokens=n, seed=seed, **kw)
 
 
-def _gpt(engine, slots=4, columns=256):
+def _gpt(engine, slots=4, columns=256, kv_dtype=None):
     from rtts.engines.gpt_loop import BatchedGpt
 
-    return BatchedGpt(engine.chat.gpt, 4, 625, slots=slots, columns=columns)
+    return BatchedGpt(engine.chat.gpt, 4, 625, slots=slots, columns=columns, kv_dtype=kv_dtype)
 
 
 def _finish(gpt, rows):
@@ -287,6 +288,31 @@ def test_rows_started_together_or_joining_mid_batch_match_running_alone(engine):
     # rows computed per forward: 1 alone, then 2, then 3, then falling as rows end
     assert gpt.forward_rows[:6] == [1] * 6 and gpt.forward_rows[7] == 2
     assert max(gpt.forward_rows) == 3 and gpt.forward_rows[-1] == 1
+
+
+def test_bf16_keys_and_values_stay_close_to_fp32_and_keep_joins_consistent(engine):
+    """bf16 keys/values (every --dtype but fp32): the first steps' hidden states stay close
+    to the fp32 buffers' (the same codes are drawn while they do), and a row that joins
+    mid-batch computes what it computes alone with the same bf16 buffers."""
+    import torch
+
+    n = 12
+    ref = _reference(engine, TEXTS[0], n).hiddens[0]
+    gpt = _gpt(engine, kv_dtype=torch.bfloat16)
+    assert gpt.keys[0].dtype == torch.bfloat16 and gpt.values[-1].dtype == torch.bfloat16
+    with torch.no_grad():
+        [alone] = gpt.add([_spec(engine, TEXTS[0], n)])
+    _finish(gpt, [alone])
+    cos = torch.nn.functional.cosine_similarity(ref[:4], alone.hiddens[:4], dim=-1)
+    assert float(cos.min()) > 0.999
+    gpt = _gpt(engine, columns=8, kv_dtype=torch.bfloat16)
+    with torch.no_grad():
+        rows = gpt.add([_spec(engine, TEXTS[1], n)])
+        for _ in range(3):
+            gpt.step()
+        rows += gpt.add([_spec(engine, TEXTS[0], n)])
+    _finish(gpt, rows)
+    assert torch.allclose(alone.hiddens[:n], rows[1].hiddens[:n], atol=1e-2)
 
 
 def test_per_row_sampling_params_in_one_batch(engine):
@@ -378,6 +404,7 @@ def test_engine_measured_and_installed_its_linear_kernels(engine):
     assert sorted(table.chosen) == [*range(1, engine.config.batch_rows + 1),
                                     kernels.PREFILL_ROWS]
     assert set(table.chosen.values()) <= {"linear", "transposed"}
+    assert table.kv_dtype == "fp32" and not table.kv_us  # fp32 stays exact: not timed
     layer = engine.chat.gpt.gpt.layers[0].self_attn.q_proj
     assert hasattr(layer, "rtts_weights")  # the selected forward is installed
 

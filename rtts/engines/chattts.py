@@ -131,7 +131,8 @@ class ChatTTSEngine:
     def info(self) -> EngineInfo:
         table, tuner = self.kernel_table, self.thread_tuner
         kern: dict[str, Any] | None = (None if table is None else
-                                       {"dtype": table.dtype, "chosen": table.chosen})
+                                       {"dtype": table.dtype, "chosen": table.chosen,
+                                        "kv_dtype": table.kv_dtype})
         if kern is not None and tuner is not None:
             kern["threads"] = tuner.current  # torch threads the decode steps run on now
             steps = tuner.step_ms()
@@ -176,6 +177,17 @@ class ChatTTSEngine:
                 chat.gpt.gpt, cfg.dtype, max_rows=cfg.batch_rows,
                 device="cpu" if self.device == "cpu" else "cuda",
                 force=None if cfg.kernels == "auto" else cfg.kernels)
+            g = chat.gpt.gpt.config
+            head_dim = getattr(g, "head_dim", None) or g.hidden_size // g.num_attention_heads
+            exact = cfg.dtype == "fp32" or cfg.kernels in ("linear", "transposed")
+            kv, kv_us = kernels.choose_kv_dtype(
+                "fp32" if exact else cfg.dtype, g.num_hidden_layers, g.num_key_value_heads,
+                head_dim, rows=min(4, max(1, cfg.batch_rows)),
+                device="cpu" if self.device == "cpu" else "cuda")
+            self.kernel_table.kv_dtype, self.kernel_table.kv_us = kv, kv_us
+            if kv_us:
+                logger.info("GPT keys/values in %s (SDPA us per layer: %s)", kv,
+                            ", ".join(f"{k} {v:.0f}" for k, v in kv_us.items()))
         self.chat = chat
         self.model_path = str(path)
         self.random_weights = found.kind == "random"
@@ -426,8 +438,13 @@ class ChatTTSEngine:
         chat = self.chat
         if chat is None:
             raise RuntimeError("engine not loaded")
+        import torch
+
+        table = self.kernel_table
+        kv = None if table is None else getattr(torch, kernels.KV_DTYPES[table.kv_dtype])
         return BatchedGpt(chat.gpt, chat.config.gpt.num_vq,
-                          eos_token=chat.config.gpt.num_audio_tokens - 1, slots=slots)
+                          eos_token=chat.config.gpt.num_audio_tokens - 1, slots=slots,
+                          kv_dtype=kv)
 
     def generate(self, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:
         """A fixed batch: every row starts together, nobody joins (static batching)."""

@@ -108,7 +108,7 @@ class BatchedGpt:
     """
 
     def __init__(self, gpt: Any, num_vq: int, eos_token: int, slots: int,
-                 penalty: float = 1.05, columns: int = 256) -> None:
+                 penalty: float = 1.05, columns: int = 256, kv_dtype: Any = None) -> None:
         import torch
 
         self.gpt = gpt  # ChatTTS.model.GPT (loaded)
@@ -130,6 +130,9 @@ class BatchedGpt:
                      and cfg.hidden_act == "silu"
                      and all(type(layer).__name__ == "LlamaDecoderLayer"
                              for layer in self.layers))
+        # keys/values (and the queries that read them) in ``kv_dtype``: bf16 halves the
+        # bytes attention streams per step (see choose_kv_dtype); lean loop only
+        self.kv_dtype = kv_dtype if kv_dtype is not None and self.lean else self.dtype
         self.rows: list[GptRow] = []  # live rows, in slot order (row k is in slot k)
         self.t = 0  # next column every live row writes
         self.steps = 0
@@ -155,8 +158,9 @@ class BatchedGpt:
         old_k, old_v, old_valid = self.keys, self.values, self.valid
         keep = min(self.t, columns, self.columns) if self.rows else 0
         shape = (slots, heads, columns, head_dim)
-        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        kv = self.kv_dtype
+        new_k = [torch.zeros(shape, dtype=kv, device=self.device) for _ in self.layers]
+        new_v = [torch.zeros(shape, dtype=kv, device=self.device) for _ in self.layers]
         valid = torch.zeros(slots, columns, dtype=torch.bool, device=self.device)
         if keep:
             for dst, src in ((new_k, old_k), (new_v, old_v)):
@@ -232,6 +236,8 @@ class BatchedGpt:
         # columns): measured on a 2-core Xeon, SDPA with the slot mask took 18-890 us on one
         # thread and 70-2900 us on two (1-4 rows, 60-300 columns); prefill keeps them all.
         solo = q == 1 and threads > 1 and self.solo_attention
+        kv = self.kv_dtype
+        cast = kv != h.dtype
         cos, sin = cos_sin[0].unsqueeze(1), cos_sin[1].unsqueeze(1)  # (n, 1, q, d)
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -247,11 +253,14 @@ class BatchedGpt:
             kb, vb = self.keys[i], self.values[i]
             kb[rows, :, write:end] = qk[:, heads:]
             vb[rows, :, write:end] = v
-            o = F.scaled_dot_product_attention(qk[:, :heads], kb[rows, :, read:end],
+            qh = qk[:, :heads].to(kv) if cast else qk[:, :heads]
+            o = F.scaled_dot_product_attention(qh, kb[rows, :, read:end],
                                                vb[rows, :, read:end], attn_mask=mask,
                                                scale=attn.scaling)
             if solo:
                 torch.set_num_threads(threads)
+            if cast:
+                o = o.to(h.dtype)
             h = h + attn.o_proj(o.transpose(1, 2).reshape(n, q, hidden))
             norm = layer.post_attention_layernorm
             x = F.rms_norm(h, (hidden,), norm.weight, norm.variance_epsilon)

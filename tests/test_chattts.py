@@ -405,8 +405,11 @@ def test_engine_measured_and_installed_its_linear_kernels(engine):
                                     kernels.PREFILL_ROWS]
     assert set(table.chosen.values()) <= {"linear", "transposed"}
     assert table.kv_dtype == "fp32" and not table.kv_us  # fp32 stays exact: not timed
-    layer = engine.chat.gpt.gpt.layers[0].self_attn.q_proj
-    assert hasattr(layer, "rtts_weights")  # the selected forward is installed
+    attn = engine.chat.gpt.gpt.layers[0].self_attn
+    assert hasattr(attn.rtts_qkv, "rtts_weights")  # the selected forward is installed
+    assert hasattr(attn.o_proj, "rtts_weights")
+    assert attn.rtts_qkv in kernels.linears(engine.chat.gpt.gpt)  # q/k/v fused: one matrix
+    assert attn.q_proj not in kernels.linears(engine.chat.gpt.gpt)
 
 
 async def test_numbers_reach_the_gpt_spoken_and_offsets_index_the_input(tiny_checkpoint: Path):

@@ -121,3 +121,32 @@ def test_realtime_capacity_counts_rows_whose_steps_and_decoding_fit_a_second():
     assert realtime_capacity(steps, 0.0, slots=2) == 2  # never more than the slots
     assert realtime_capacity({1: budget_ms * 1.01}, 0.0, slots=8) == 0
     assert realtime_capacity({}, 0.0, slots=8) == 0  # nothing measured yet
+
+
+def test_fused_projections_compute_what_the_separate_ones_did():
+    """gpt_loop.fuse_projections: one q/k/v and one gate/up matrix per Llama layer; the
+    old projections stay callable (slices of the fused output) and the layer's own forward
+    computes what it computed before."""
+    transformers = pytest.importorskip("transformers")
+    from rtts.engines.gpt_loop import fuse_projections
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4,
+                                   vocab_size=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaModel(cfg).eval()
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        want = model(inputs_embeds=x).last_hidden_state
+        parts = [model.layers[0].self_attn.k_proj(x), model.layers[1].mlp.up_proj(x)]
+        assert fuse_projections(model) == 2
+        assert fuse_projections(model) == 0  # already fused
+        layer = model.layers[0]
+        assert layer.self_attn.rtts_qkv.out_features == 3 * 64
+        assert layer.mlp.rtts_gate_up.out_features == 2 * 128
+        linears = kernels.linears(model)
+        assert len(linears) == 2 * 4 and layer.self_attn.q_proj not in linears
+        assert torch.allclose(model.layers[0].self_attn.k_proj(x), parts[0], atol=1e-6)
+        assert torch.allclose(model.layers[1].mlp.up_proj(x), parts[1], atol=1e-6)
+        got = model(inputs_embeds=x).last_hidden_state
+    assert torch.allclose(got, want, atol=1e-5)

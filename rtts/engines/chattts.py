@@ -50,7 +50,7 @@ from rtts.core.params import (
 from rtts.core.speaker import decode_speaker
 from rtts.engines import kernels
 from rtts.engines.base import EngineInfo, EngineOutput, SynthRequest, fixed_batch
-from rtts.engines.gpt_loop import BatchedGpt, GptRow, RowSpec, ThreadTuner
+from rtts.engines.gpt_loop import BatchedGpt, GptRow, RowSpec, ThreadTuner, fuse_projections
 
 __all__ = ["ChatTTSEngine", "StockChatTTSEngine", "check_torchaudio", "configure_threads_env",
            "realtime_capacity"]
@@ -173,6 +173,8 @@ class ChatTTSEngine:
         if self.bake_weight_norm:
             _bake_weight_norm(chat)
         if self.select_kernels:
+            # q/k/v and gate/up as one matrix each, before their kernels are chosen
+            fuse_projections(chat.gpt.gpt)
             self.kernel_table = kernels.install(
                 chat.gpt.gpt, cfg.dtype, max_rows=cfg.batch_rows,
                 device="cpu" if self.device == "cpu" else "cuda",

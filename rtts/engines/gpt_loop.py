@@ -45,11 +45,69 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BatchedGpt", "GptRow", "RowSpec", "ThreadTuner"]
+__all__ = ["BatchedGpt", "GptRow", "RowSpec", "ThreadTuner", "fuse_projections"]
 
 MIN_TOKENS_TO_KEEP = 3  # ChatTTS's gen_logits: top-P and top-K keep at least 3 codes
 PENALTY_WINDOW = 16  # ChatTTS's repetition penalty looks at the last 16 codes
 FORWARDS_KEPT = 4096  # BatchedGpt.forward_rows keeps at least this many recent entries
+
+
+class _Part:
+    """Stands in for one of the projections :func:`fuse_projections` merged: its slice of
+    the fused layer's output (for code that still calls the projection on its own, such
+    as the layers' own ``forward``)."""
+
+    def __init__(self, fused: Any, start: int, end: int) -> None:
+        self._fused, self.start, self.end = (fused,), start, end  # tuple: not a submodule
+        self.in_features, self.out_features = fused.in_features, end - start
+
+    def __call__(self, x: Any) -> Any:
+        return self._fused[0](x)[..., self.start:self.end]
+
+
+def _fuse(owner: Any, names: Sequence[str], fused_name: str) -> bool:
+    import torch
+
+    parts = [getattr(owner, n) for n in names]
+    if not all(type(m) is torch.nn.Linear for m in parts):
+        return False
+    if len({m.in_features for m in parts}) != 1 or len({m.bias is None for m in parts}) != 1:
+        return False
+    weight = torch.cat([m.weight.detach() for m in parts], 0)
+    has_bias = parts[0].bias is not None
+    fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias,
+                            device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(weight)
+        if has_bias:
+            fused.bias.copy_(torch.cat([m.bias.detach() for m in parts]))
+    fused.requires_grad_(False)
+    setattr(owner, fused_name, fused)
+    start = 0
+    for name, m in zip(names, parts, strict=True):
+        delattr(owner, name)  # a registered submodule: replaced by a plain attribute
+        object.__setattr__(owner, name, _Part(fused, start, start + m.out_features))
+        start += m.out_features
+    return True
+
+
+def fuse_projections(model: Any) -> int:
+    """Merge each Llama layer's query/key/value projections into one linear layer
+    (``self_attn.rtts_qkv``) and its gate/up projections into another
+    (``mlp.rtts_gate_up``), before the kernels are installed: the lean loop then runs 4
+    weight matrices per layer instead of 7, one call (and one activation conversion) each.
+    The old names stay callable (slices of the fused output). Returns the layers fused."""
+    done = 0
+    for layer in model.layers:
+        if type(layer).__name__ != "LlamaDecoderLayer":
+            continue
+        attn, mlp = layer.self_attn, layer.mlp
+        if hasattr(attn, "rtts_qkv") or not _fuse(attn, ("q_proj", "k_proj", "v_proj"),
+                                                  "rtts_qkv"):
+            continue
+        _fuse(mlp, ("gate_proj", "up_proj"), "rtts_gate_up")
+        done += 1
+    return done
 
 
 @dataclass
@@ -133,6 +191,10 @@ class BatchedGpt:
         # keys/values (and the queries that read them) in ``kv_dtype``: bf16 halves the
         # bytes attention streams per step (see choose_kv_dtype); lean loop only
         self.kv_dtype = kv_dtype if kv_dtype is not None and self.lean else self.dtype
+        # fused projections (fuse_projections): one matmul for q/k/v, one for gate/up
+        self.fused = self.lean and all(hasattr(layer.self_attn, "rtts_qkv")
+                                       and hasattr(layer.mlp, "rtts_gate_up")
+                                       for layer in self.layers)
         self.rows: list[GptRow] = []  # live rows, in slot order (row k is in slot k)
         self.t = 0  # next column every live row writes
         self.steps = 0
@@ -238,16 +300,21 @@ class BatchedGpt:
         solo = q == 1 and threads > 1 and self.solo_attention
         kv = self.kv_dtype
         cast = kv != h.dtype
+        fused = self.fused
         cos, sin = cos_sin[0].unsqueeze(1), cos_sin[1].unsqueeze(1)  # (n, 1, q, d)
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             norm = layer.input_layernorm
             x = F.rms_norm(h, (hidden,), norm.weight, norm.variance_epsilon)
-            qk = torch.cat((attn.q_proj(x), attn.k_proj(x)), -1).view(n, q, 2 * heads, d)
-            v = attn.v_proj(x).view(n, q, heads, d).transpose(1, 2)
+            if fused:
+                qkv = attn.rtts_qkv(x).view(n, q, 3 * heads, d).transpose(1, 2)
+                qk, v = qkv[:, :2 * heads], qkv[:, 2 * heads:]  # (n, 2 heads | heads, q, d)
+            else:
+                qk = torch.cat((attn.q_proj(x), attn.k_proj(x)), -1).view(n, q, 2 * heads, d)
+                qk = qk.transpose(1, 2)  # (n, 2 heads, q, d)
+                v = attn.v_proj(x).view(n, q, heads, d).transpose(1, 2)
             if solo:
                 torch.set_num_threads(1)
-            qk = qk.transpose(1, 2)  # (n, 2 heads, q, d)
             rot = torch.cat((qk[..., half:].neg(), qk[..., :half]), -1)
             qk = qk * cos + rot * sin
             kb, vb = self.keys[i], self.values[i]
@@ -264,7 +331,11 @@ class BatchedGpt:
             h = h + attn.o_proj(o.transpose(1, 2).reshape(n, q, hidden))
             norm = layer.post_attention_layernorm
             x = F.rms_norm(h, (hidden,), norm.weight, norm.variance_epsilon)
-            h = h + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+            if fused:
+                gate, up = mlp.rtts_gate_up(x).chunk(2, -1)
+                h = h + mlp.down_proj(F.silu(gate) * up)
+            else:
+                h = h + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
         return h
 
     def _sample(self, rows: Sequence[GptRow], h: Any) -> Any:

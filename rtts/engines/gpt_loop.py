@@ -140,6 +140,30 @@ class GptRow:
     last: Any = field(default=None, repr=False)  # (num_vq,) codes to feed next
 
 
+def _fused_heads(gpt: Any, num_vq: int) -> tuple[Any, Any]:
+    """ChatTTS's per-codebook output heads as one (num_vq * V, H) matrix, and its
+    per-codebook code embeddings as one table with each codebook's offset, built once per
+    GPT (None where the modules are not plain bias-free linear / embedding layers)."""
+    import torch
+
+    cached = getattr(gpt, "_rtts_fused", None)
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
+    heads = [getattr(hc, "__self__", hc) for hc in gpt.head_code][:num_vq]
+    embs = [getattr(ec, "__self__", ec) for ec in gpt.emb_code][:num_vq]
+    fused_heads = fused_embs = None
+    if len(heads) == num_vq and all(type(m) is torch.nn.Linear and m.bias is None
+                                    for m in heads):
+        fused_heads = torch.cat([m.weight.detach() for m in heads], 0).contiguous()
+    if len(embs) == num_vq and all(type(m) is torch.nn.Embedding for m in embs):
+        sizes = [int(m.weight.shape[0]) for m in embs]
+        starts = [sum(sizes[:v]) for v in range(num_vq)]
+        fused_embs = (torch.cat([m.weight.detach() for m in embs], 0).contiguous(),
+                      torch.tensor(starts, device=embs[0].weight.device))
+    object.__setattr__(gpt, "_rtts_fused", (fused_heads, fused_embs))
+    return fused_heads, fused_embs
+
+
 class _SlotCache:
     """The object handed to transformers' attention as its cache: writes the new
     keys/values into the shared buffers at the current window, returns what to attend."""
@@ -195,6 +219,8 @@ class BatchedGpt:
         self.fused = self.lean and all(hasattr(layer.self_attn, "rtts_qkv")
                                        and hasattr(layer.mlp, "rtts_gate_up")
                                        for layer in self.layers)
+        self._heads, self._embs = _fused_heads(gpt, num_vq)
+        self._row_params: tuple[tuple[GptRow, ...], Any] = ((), None)
         self.rows: list[GptRow] = []  # live rows, in slot order (row k is in slot k)
         self.t = 0  # next column every live row writes
         self.steps = 0
@@ -344,42 +370,67 @@ class BatchedGpt:
         import torch.nn.functional as F  # noqa: N812
 
         vq, n = self.num_vq, len(rows)
-        logits = torch.stack([head(h) for head in self.gpt.head_code], 2)  # (n, V, vq)
-        logits = logits.permute(0, 2, 1).reshape(n * vq, -1).float()
+        if self._heads is not None:  # the 4 code heads as one matrix: (n, vq * V)
+            logits = F.linear(h, self._heads).view(n * vq, -1).float()
+        else:
+            logits = torch.stack([head(h) for head in self.gpt.head_code], 2)  # (n, V, vq)
+            logits = logits.permute(0, 2, 1).reshape(n * vq, -1).float()
         dev = logits.device
-        specs = [r.spec for r in rows]
-
-        def per_row(values: list[float]) -> Any:
-            return torch.tensor(values, device=dev).repeat_interleave(vq).unsqueeze(1)
-
-        logits = logits / per_row([s.temperature for s in specs])
+        temperature, top_p, kth_idx, max_k, free_idx = self._params(rows, logits.size(-1))
+        logits = logits / temperature
         logits = self._penalize(rows, logits)
         # top-P (transformers' TopPLogitsWarper, per row)
         sorted_logits, sorted_idx = torch.sort(logits, descending=False)
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= (1 - per_row([s.top_p for s in specs]))
+        drop = cum <= (1 - top_p)
         drop[..., -MIN_TOKENS_TO_KEEP:] = False
         logits = logits.masked_fill(drop.scatter(1, sorted_idx, drop), -torch.inf)
         # top-K (TopKLogitsWarper, per row)
-        ks = [min(max(s.top_k, MIN_TOKENS_TO_KEEP), logits.size(-1)) for s in specs]
-        top = torch.topk(logits, max(ks)).values
-        kth = top.gather(1, per_row([k - 1 for k in ks]).long())
+        top = torch.topk(logits, max_k).values
+        kth = top.gather(1, kth_idx)
         logits = logits.masked_fill(logits < kth, -torch.inf)
         early = [r.length < max(1, r.spec.min_tokens) for r in rows]
         if any(early):
-            logits[per_row([float(e) for e in early]).squeeze(1).bool(), self.eos] = -torch.inf
+            mask = torch.tensor(early, device=dev).repeat_interleave(vq)
+            logits[mask, self.eos] = -torch.inf
         scores = F.softmax(logits, dim=-1)
-        drawn = torch.empty(n * vq, 1, dtype=torch.long, device=dev)
-        free = [k for k, r in enumerate(rows) if r.generator is None]
-        if free:
-            idx = torch.tensor([k * vq + v for k in free for v in range(vq)], device=dev)
-            drawn[idx] = torch.multinomial(scores.index_select(0, idx), num_samples=1)
+        if free_idx is None:  # no seeded row: one draw for all
+            drawn = torch.multinomial(scores, num_samples=1)
+        else:
+            drawn = torch.empty(n * vq, 1, dtype=torch.long, device=dev)
+            if free_idx.numel():
+                drawn[free_idx] = torch.multinomial(scores.index_select(0, free_idx),
+                                                    num_samples=1)
         for k, r in enumerate(rows):
             if r.generator is not None:  # ChatTTS re-seeds at every step
                 r.generator.manual_seed(r.spec.seed)
                 drawn[k * vq:(k + 1) * vq] = torch.multinomial(
                     scores[k * vq:(k + 1) * vq], num_samples=1, generator=r.generator)
         return drawn.view(n, vq)
+
+    def _params(self, rows: Sequence[GptRow], vocab: int) -> tuple[Any, Any, Any, int, Any]:
+        """Per-row sampling tensors, one entry per (row, codebook): built once per set of
+        rows, not every step. (temperature, top_p, top-K index, largest K, the indices of
+        unseeded rows' entries or None when no row is seeded)."""
+        import torch
+
+        key = tuple(rows)  # GptRow compares by identity; the tuple keeps them alive
+        if self._row_params[0] == key:
+            return self._row_params[1]  # type: ignore[no-any-return]
+        vq, dev, specs = self.num_vq, self.device, [r.spec for r in rows]
+
+        def per_row(values: list[float]) -> Any:
+            return torch.tensor(values, device=dev).repeat_interleave(vq).unsqueeze(1)
+
+        ks = [min(max(s.top_k, MIN_TOKENS_TO_KEEP), vocab) for s in specs]
+        free = [k for k, r in enumerate(rows) if r.generator is None]
+        free_idx = (None if len(free) == len(rows) else
+                    torch.tensor([k * vq + v for k in free for v in range(vq)], device=dev,
+                                 dtype=torch.long))
+        params = (per_row([s.temperature for s in specs]), per_row([s.top_p for s in specs]),
+                  per_row([k - 1 for k in ks]).long(), max(ks), free_idx)
+        self._row_params = (key, params)
+        return params
 
     def _penalize(self, rows: Sequence[GptRow], logits: Any) -> Any:
         """ChatTTS's repetition penalty over each row's last 16 codes (per codebook)."""
@@ -494,11 +545,13 @@ class BatchedGpt:
         self.rows = [self.rows[k] for k in keep]
         if not self.rows:
             self.t = 0
+            self._row_params = ((), None)  # let the ended rows go
         return gone
 
     def step(self) -> None:
         """One decode step for every live row (after evicting the ended ones)."""
         import torch
+        import torch.nn.functional as F  # noqa: N812
 
         self.evict_done()
         if not self.rows:
@@ -506,8 +559,12 @@ class BatchedGpt:
         self._make_room(0)
         b, t, dev = len(self.rows), self.t, self.device
         codes = torch.stack([r.last for r in self.rows])  # (b, vq)
-        x = torch.stack([self.gpt.emb_code[v](codes[:, v:v + 1]) for v in range(self.num_vq)],
-                        3).sum(3)  # (b, 1, H): the codebooks' embeddings summed
+        if self._embs is not None:  # one lookup in the codebooks' tables stacked
+            table, offsets = self._embs
+            x = F.embedding(codes + offsets, table).sum(1, keepdim=True)  # (b, 1, H)
+        else:
+            x = torch.stack([self.gpt.emb_code[v](codes[:, v:v + 1])
+                             for v in range(self.num_vq)], 3).sum(3)  # (b, 1, H): summed
         pos = torch.tensor([[r.next_pos] for r in self.rows], device=dev)
         self.valid[:b, t] = True
         mask = self.valid[:b, : t + 1].view(b, 1, 1, t + 1)

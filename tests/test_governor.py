@@ -108,3 +108,88 @@ async def test_degraded_sessions_get_shorter_segments():
         await c.until("done")
         assert all(len(e["text"]) <= 80 for e in c.got.of("segment_done"))
         await asyncio.sleep(0)
+
+
+def test_streams_beyond_the_measured_capacity_degrade_and_recover():
+    g = Governor(GovernorConfig(hold_s=1.0))  # the defaults: degrade at 1 stream over
+    assert g.update(LoadSignals(streams_over_capacity=0), 0.0) == Level.NORMAL
+    assert g.update(LoadSignals(streams_over_capacity=1), 0.1) == Level.DEGRADED
+    assert "streams_over_capacity" in g.reason
+    assert g.update(LoadSignals(streams_over_capacity=3), 0.2) == Level.DEGRADED  # no reject
+    assert g.update(LoadSignals(streams_over_capacity=0), 0.5) == Level.DEGRADED
+    assert g.update(LoadSignals(streams_over_capacity=0), 1.6) == Level.NORMAL
+
+
+class _MeasuredEngine(FakeEngine):
+    """A continuous fake engine reporting a measured real-time capacity, as ChatTTS does
+    from its own steps (kernels.realtime_streams)."""
+
+    capacity = 1
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.admitted = []  # (stream, priority) of every request, in admission order
+
+    @property
+    def info(self):
+        return replace(super().info, kernels={"realtime_streams": self.capacity})
+
+    def serve(self, admit, slots):
+        def recording(free):
+            new = admit(free)
+            self.admitted += [(r.stream, r.priority) for r in new]
+            return new
+
+        return super().serve(recording, slots)
+
+
+async def test_streams_beyond_the_real_time_capacity_wait_instead_of_joining():
+    """Capacity 1, three streams at once: the governor degrades on the streams beyond it,
+    and while degraded the batch admits one row at a time; every stream still gets its
+    audio, and the server recovers when they are done."""
+    gov = GovernorConfig(hold_s=0.2, interval_s=0.02)
+    cfg = replace(base_config(), governor=gov,
+                  scheduler=SchedulerConfig(max_batch_size=4, max_wait_ms=1))
+    engine = _MeasuredEngine(ms_per_char=10, rtf=1.0, continuous=True)
+    async with server(cfg, engine) as (app, url), client(url) as c:
+        for i in range(3):
+            await c.send(type="start", context_id=f"c{i}")
+            await c.send(type="text", context_id=f"c{i}", text="Several words each, please.")
+            await c.send(type="end", context_id=f"c{i}")
+        state = await c.recv_until(lambda e: e["type"] == "server_state"
+                                   and e["level"] == "degraded")
+        assert "streams_over_capacity" in state["reason"]
+        assert app.scheduler.realtime_slots == 1 and app.scheduler.slot_limit == 1
+        await c.until_all("done", {"c0", "c1", "c2"})
+        await c.recv_until(lambda e: e["type"] == "server_state" and e["level"] == "normal",
+                           timeout=10)
+        assert app.scheduler.slot_limit == 4
+
+
+async def test_held_at_capacity_a_playing_stream_keeps_its_slot_between_segments():
+    """Degraded at a measured capacity of 1: the stream already playing gets its next
+    segment before a new stream gets its first, so it plays through; the new one waits."""
+    gov = GovernorConfig(hold_s=30, interval_s=0.02)
+    cfg = replace(base_config(), governor=gov,
+                  scheduler=SchedulerConfig(max_batch_size=4, max_wait_ms=1))
+    engine = _MeasuredEngine(ms_per_char=4, rtf=1.0, continuous=True)
+    async with server(cfg, engine) as (app, url), client(url) as c:
+        from rtts.core.governor import Level
+
+        app.governor.level = Level.DEGRADED
+        app.apply_level(Level.DEGRADED)
+        await asyncio.sleep(0.1)  # the governor has sampled the capacity
+        for i in range(2):
+            await c.send(type="start", context_id=f"c{i}")
+            await c.send(type="text", context_id=f"c{i}",
+                         text="The first sentence is here. And the second one follows.")
+            await c.send(type="end", context_id=f"c{i}")
+        await c.until_all("done", {"c0", "c1"})
+        assert app.scheduler.capacity_capped
+        admitted = [a for a in engine.admitted if a[0] is not None]  # not the warm-up
+        streams = [stream for stream, _ in admitted]
+        assert len(streams) == 4 and len(set(streams)) == 2
+        # the first stream's segments, then the second's: not interleaved
+        assert streams[0] == streams[1] != streams[2] == streams[3], admitted
+        assert [p for _, p in admitted] == [0, 1, 0, 1]
+        assert set(engine.batches) == {1}  # one row at a time: the capacity

@@ -255,7 +255,7 @@ class SpeechContext:
             # The spoken text is what is synthesized and what the phrase cache is keyed on.
             source, key = await self.service.open_segment(
                 spoken, params, first=index == 0, use_cache=self.use_cache,
-                background=self.background)
+                background=self.background, stream=id(self))
             if self.anchoring and self.anchor is None:
                 if isinstance(source, RequestStream):
                     self._anchor_source = source

@@ -1,6 +1,7 @@
 """Load governor: NORMAL -> DEGRADED -> REJECTING and back, with hysteresis. Pure logic.
 
-The server samples load signals (queue depth, RSS, CPU, GPU memory) every
+The server samples load signals (queue depth, RSS, CPU, GPU memory, streams beyond the
+engine's measured real-time capacity) every
 ``interval_s`` and feeds them to :meth:`Governor.update`. A signal at or above a level's
 threshold moves the state *up* to that level at once. The state steps *down* one level
 only after every signal has stayed below ``recover_ratio`` times the current level's
@@ -9,7 +10,8 @@ thresholds for ``hold_s`` seconds, so it does not flap around a threshold.
 What the levels mean is decided by the server:
 
 * DEGRADED: new segments use cheaper settings (shorter chunks, no text refine, no batch
-  wait, fewer tokens per segment);
+  wait, fewer tokens per segment), and a continuous batch admits at most the measured
+  real-time capacity (or ``degraded_slots``) rows: streams beyond it wait for a slot;
 * REJECTING: new connections get an ``overloaded`` error event and close 1013, and new
   contexts on open connections get an ``overloaded`` error.
 """
@@ -38,6 +40,9 @@ class LoadSignals:
     rss_mb: float = 0.0
     cpu_percent: float = 0.0  # whole-machine, 0-100
     gpu_mem_fraction: float = 0.0  # 0-1; 0 without a GPU
+    # live streams wanting the engine beyond the real-time capacity it measured from its
+    # own steps (ChatTTS on a CPU); 0 while that capacity is unknown
+    streams_over_capacity: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,13 +57,18 @@ class GovernorConfig:
     reject_cpu_percent: float | None = None
     degrade_gpu_mem_fraction: float | None = 0.85
     reject_gpu_mem_fraction: float | None = 0.95
+    # one stream beyond the measured real-time capacity: degrade (the server then admits
+    # only that many rows; the others wait instead of every stream stuttering)
+    degrade_streams_over_capacity: int | None = 1
+    reject_streams_over_capacity: int | None = None
     recover_ratio: float = 0.6
     hold_s: float = 2.0
     interval_s: float = 0.5
 
 
 _FIELDS = (("queue_depth", "queue_depth"), ("rss_mb", "rss_mb"),
-           ("cpu_percent", "cpu_percent"), ("gpu_mem_fraction", "gpu_mem_fraction"))
+           ("cpu_percent", "cpu_percent"), ("gpu_mem_fraction", "gpu_mem_fraction"),
+           ("streams_over_capacity", "streams_over_capacity"))
 
 
 class Governor:

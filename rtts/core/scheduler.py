@@ -73,6 +73,11 @@ class Preempted(EngineError):
     code = ErrorCode.OVERLOADED
 
 
+# a stream counts as playing (keeps its slot while held at the real-time capacity) this
+# long after a segment of it was admitted: a segment takes at most a few seconds
+PLAYING_S = 10.0
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batch_size: int = 8  # rows (slots) of a batch
@@ -191,6 +196,10 @@ class Scheduler:
         self.failed = 0
         self.cancelled = 0
         self.degraded = False  # set by the load governor: no batch wait
+        # rows the engine keeps in real time, as it measured (None: unknown); while
+        # degraded a continuous batch admits no more (set by the service)
+        self.realtime_slots: int | None = None
+        self._playing: dict[int, float] = {}  # stream -> when a segment of it was admitted
         self.busy_s = 0.0  # device time spent in batches
         self.audio_samples = 0  # audio the engine produced (at engine.sample_rate)
         self.preempted = 0  # background rows that gave their slot to a live request
@@ -239,10 +248,28 @@ class Scheduler:
 
     @property
     def slot_limit(self) -> int:
-        """Rows a continuous batch may hold now (the governor shrinks it when degraded)."""
-        if self.degraded and self.config.degraded_slots:
-            return max(1, min(self.config.degraded_slots, self.config.max_batch_size))
-        return self.config.max_batch_size
+        """Rows a continuous batch may hold now (the governor shrinks it when degraded:
+        to ``degraded_slots``, and to the measured real-time capacity)."""
+        limit = self.config.max_batch_size
+        if self.degraded:
+            for cap in (self.config.degraded_slots, self.realtime_slots):
+                if cap:
+                    limit = max(1, min(limit, cap))
+        return limit
+
+    @property
+    def capacity_capped(self) -> bool:
+        """Degraded, and the measured real-time capacity holds the batch below its slots."""
+        cap = self.realtime_slots
+        return self.degraded and bool(cap) and cap is not None and (
+            cap < self.config.max_batch_size)
+
+    @property
+    def live_streams(self) -> int:
+        """Live requests running in a continuous batch or waiting for one."""
+        running = sum(1 for run in list(self._runs) for s in list(run.streams.values())
+                      if not s.finished and s.request.priority < BACKGROUND)
+        return running + self.queue_depth
 
     async def stop(self) -> None:
         """Cancel the dispatcher and every batch, fail what is queued, free the threads."""
@@ -304,14 +331,30 @@ class Scheduler:
         if n <= 0:
             return []
         now = time.monotonic()
+        # Held at the measured real-time capacity: streams already playing go first (their
+        # later segments, without a reserve or a hold), new streams wait for a free slot;
+        # otherwise a new stream would take the slot between two of a stream's segments
+        # and every stream would stutter.
+        capped = self.capacity_capped
+        reserve = 0 if capped else self.reserve
+        playing = self._playing
+        for stream, at in list(playing.items()):
+            if now - at > PLAYING_S:
+                playing.pop(stream, None)
+
+        def key(s: RequestStream) -> tuple[Any, ...]:
+            if not capped:
+                return (s.request.priority, s.submitted_at)
+            return (s.request.priority >= BACKGROUND, s.request.stream not in playing,
+                    s.request.priority, s.submitted_at)
+
         with self._qlock:
             live = [s for s in self._queue if not s.request.cancelled.is_set()]
-            order = sorted((s for s in live if not s.solo),
-                           key=lambda s: (s.request.priority, s.submitted_at))
+            order = sorted((s for s in live if not s.solo), key=key)
             chosen: list[RequestStream] = []
             for s in order:
                 later = s.request.priority > 0
-                room = n - len(chosen) - (self.reserve if later else 0)
+                room = n - len(chosen) - (reserve if later else 0)
                 if room <= 0:
                     break
                 if s.request.priority >= BACKGROUND and (warming or any(
@@ -320,10 +363,14 @@ class Scheduler:
                     break  # background: only slots nobody live wants, no prefill beside them
                 if s.request.priority >= BACKGROUND and background_room is not None:
                     background_room -= 1
-                if later and (warming or any(c.request.priority == 0 for c in chosen)) \
+                if later and not capped and (warming or any(c.request.priority == 0
+                                                            for c in chosen)) \
                         and now - s.submitted_at < self.config.later_hold_s:
                     break
                 chosen.append(s)
+            for s in chosen:
+                if s.request.stream is not None:
+                    playing[s.request.stream] = now
             if chosen:
                 ids = {id(s) for s in chosen}
                 self._queue = [s for s in live if id(s) not in ids]

@@ -259,11 +259,18 @@ class Service:
 
             free, total = torch.cuda.mem_get_info()
             gpu = 1.0 - free / total
+        # the real-time capacity the primary engine measured from its own steps (ChatTTS
+        # on a CPU; None for engines that do not say, 0 while nothing is real time)
+        cap = (self.engine.info.kernels or {}).get("realtime_streams")
+        scheduler = self.scheduler
+        scheduler.realtime_slots = int(cap) if cap else None
+        over = max(0, scheduler.live_streams - int(cap)) if cap else 0
         return LoadSignals(
             queue_depth=sum(s.queue_depth for s in self.schedulers.values()),
             rss_mb=self._process.memory_info().rss / 2**20,
             cpu_percent=psutil.cpu_percent(None),
             gpu_mem_fraction=gpu,
+            streams_over_capacity=over,
         )
 
     async def _sample_load(self) -> None:
@@ -356,18 +363,21 @@ class Service:
             raise ProtocolError("server overloaded; retry later", code=ErrorCode.OVERLOADED)
 
     async def open_segment(self, text: str, params: SynthParams, *, first: bool,
-                           use_cache: bool = True, background: bool = False
+                           use_cache: bool = True, background: bool = False,
+                           stream: int | None = None
                            ) -> tuple[Source | RttsError, str | None]:
         """The audio source for one segment: a cache hit, else a scheduler request (or the
         error submitting it). Returns the cache key to store the result under (None for a
         hit or when the cache is not used). ``background``: the scheduler's lowest,
-        preemptible priority (long-text jobs)."""
+        preemptible priority (long-text jobs). ``stream``: the context it belongs to (the
+        scheduler keeps a playing stream's slot while held at the real-time capacity)."""
         degraded = self.degraded
         key = self.cache.key(text, params, degraded) if use_cache else None
         if key is not None and (hit := await self.cache.get(key)) is not None:
             return CachedStream(hit, self.cache.sample(key)), None
         priority = BACKGROUND if background else 0 if first else 1
-        request = SynthRequest(text, params, priority=priority, degraded=degraded)
+        request = SynthRequest(text, params, priority=priority, degraded=degraded,
+                               stream=stream)
         try:
             return self.schedulers[self.engine_for(params).name].submit(request), key
         except RttsError as exc:

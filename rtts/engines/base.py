@@ -37,6 +37,7 @@ class SynthRequest:
     priority: int = 1  # 0 = a stream's first segment (served first)
     max_new_token: int | None = None
     degraded: bool = False  # server under load: the engine may use cheaper settings
+    stream: int | None = None  # the stream (context) it belongs to, when known
     cancelled: threading.Event = field(default_factory=threading.Event)
     # set by an engine with codes (``info.samples``) before the request's end: the codes it
     # generated and the text they say (a context anchors its later segments on it)

@@ -181,8 +181,8 @@ async def test_held_at_capacity_a_playing_stream_keeps_its_slot_between_segments
         await asyncio.sleep(0.1)  # the governor has sampled the capacity
         for i in range(2):
             await c.send(type="start", context_id=f"c{i}")
-            await c.send(type="text", context_id=f"c{i}",
-                         text="The first sentence is here. And the second one follows.")
+            await c.send(type="text", context_id=f"c{i}",  # no phrase-cache hits
+                         text=f"Stream {i} says its first sentence. And then its second one.")
             await c.send(type="end", context_id=f"c{i}")
         await c.until_all("done", {"c0", "c1"})
         assert app.scheduler.capacity_capped

@@ -176,9 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
                        default=getattr(g, f"{level}_gpu_mem_fraction") or 0,
                        help=f"load governor: {level} above this fraction of GPU memory in use "
                             "(CUDA; 0 = ignore)")
-    s.add_argument("--degrade-streams-over-capacity", type=int, metavar="N",
-                   default=g.degrade_streams_over_capacity or 0,
-                   help="load governor: degrade (admit only the measured real-time capacity)")
     s.add_argument("--max-lead", type=float, default=ServerConfig.max_lead_s,
                    help="seconds of audio sent ahead of estimated playback (0 = no pacing)")
     s.add_argument("--shutdown-grace", type=float, default=ServerConfig.shutdown_grace_s,
@@ -307,8 +304,7 @@ SERVE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "max_protocol_errors", "slow_client_timeout", "max_lead", "shutdown_grace")),
     ("load governor (0 = ignore)", tuple(f"{level}_{what}" for level in ("degrade", "reject")
                                         for what in ("queue_depth", "rss_mb", "cpu_percent",
-                                                     "gpu_mem"))
-                                   + ("degrade_streams_over_capacity",)),
+                                                     "gpu_mem"))),
     ("auth and quotas", ("api_key", "allowed_origin", "token_ttl", "token_secret",
                          "previous_token_secret", "max_sessions_per_key",
                          "sessions_per_minute", "public_listing", "admin_key")),
@@ -403,7 +399,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             reject_cpu_percent=args.reject_cpu_percent or None,
             degrade_gpu_mem_fraction=args.degrade_gpu_mem or None,
             reject_gpu_mem_fraction=args.reject_gpu_mem or None,
-            degrade_streams_over_capacity=args.degrade_streams_over_capacity or None,
         ),
         instance_id=args.instance_id or base.instance_id,
         voices_dir=args.voices_dir or base.voices_dir,

@@ -194,6 +194,7 @@ class SpeechContext:
         """Like :meth:`cancel`, for a caller that counts its own cancels (or none)."""
         self._cancelled = True
         self._release()
+        self.service.stream_ended(id(self))
         self._wakeup.set()
 
     def _queue(self, chunks: list[Chunk], spoken: str | None = None,
@@ -309,6 +310,7 @@ class SpeechContext:
                 if not self._inflight:
                     if self._ended and not self._pending:
                         self.finished = True
+                        self.service.stream_ended(id(self))
                         yield Done(segments, samples_total, failed)
                         return
                     self._wakeup.clear()

@@ -73,9 +73,9 @@ class Preempted(EngineError):
     code = ErrorCode.OVERLOADED
 
 
-# a stream counts as playing (keeps its slot while held at the real-time capacity) this
-# long after a segment of it was admitted: a segment takes at most a few seconds
-PLAYING_S = 10.0
+# a stream counts as playing (keeps its slot while held at the real-time capacity) until
+# it ends (stream_ended), or at most this long after a segment of it was admitted or ended
+PLAYING_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -257,6 +257,11 @@ class Scheduler:
                     limit = max(1, min(limit, cap))
         return limit
 
+    def stream_ended(self, stream: int) -> None:
+        """(Event loop.) A stream (context) ended: it no longer holds a slot."""
+        if self._playing.pop(stream, None) is not None:
+            self._arrived.set()
+
     @property
     def capacity_capped(self) -> bool:
         """Degraded, and the measured real-time capacity holds the batch below its slots."""
@@ -303,6 +308,11 @@ class Scheduler:
                 raise
             if not batch:
                 self._slots.release()
+                # held at the capacity: wait for a stream to end or a request to arrive
+                self._arrived.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.05):
+                        await self._arrived.wait()
                 continue
             run = self._run_continuous(batch) if continuous else self._run(batch)
             task = asyncio.create_task(run, name="rtts-batch")
@@ -342,6 +352,8 @@ class Scheduler:
             if now - at > PLAYING_S:
                 playing.pop(stream, None)
 
+        held = capped and len(playing) >= self.slot_limit  # every slot has its stream
+
         def key(s: RequestStream) -> tuple[Any, ...]:
             if not capped:
                 return (s.request.priority, s.submitted_at)
@@ -354,6 +366,8 @@ class Scheduler:
             chosen: list[RequestStream] = []
             for s in order:
                 later = s.request.priority > 0
+                if held and s.request.stream not in playing:
+                    break  # a new stream waits for one of the playing streams to end
                 room = n - len(chosen) - (reserve if later else 0)
                 if room <= 0:
                     break
@@ -562,6 +576,8 @@ class Scheduler:
                 stream = run.streams[id(request)]
                 if samples is None:
                     run.streams.pop(id(request), None)
+                    if request.stream in self._playing:  # its next segment comes soon
+                        self._playing[request.stream] = time.monotonic()
                     if request.cancelled.is_set():
                         self.cancelled += 1
                     elif not stream.finished:

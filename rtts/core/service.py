@@ -362,6 +362,11 @@ class Service:
             self.stats.rejected += 1
             raise ProtocolError("server overloaded; retry later", code=ErrorCode.OVERLOADED)
 
+    def stream_ended(self, stream: int) -> None:
+        """A context ended (done or cancelled): the schedulers stop holding its slot."""
+        for scheduler in self.schedulers.values():
+            scheduler.stream_ended(stream)
+
     async def open_segment(self, text: str, params: SynthParams, *, first: bool,
                            use_cache: bool = True, background: bool = False,
                            stream: int | None = None

@@ -168,6 +168,31 @@ async def test_streams_through_the_server(tiny_checkpoint: Path):
         assert "rtts_realtime_headroom_streams " in metrics
 
 
+def test_int8_engine_measures_its_decoder_precision_and_decodes_audio(tiny_checkpoint):
+    """For int8/int4 the decoder's precision (fp32 or bf16 autocast) is measured at load;
+    the chosen one decodes finite audio close to the fp32 decode."""
+    import torch
+
+    eng = ChatTTSEngine(EngineConfig(source="custom", model_dir=tiny_checkpoint, threads=2,
+                                     stream_tokens=8, dtype="int8", batch_rows=2))
+    eng.load()
+    try:
+        assert eng.decode_dtype in ("fp32", "bf16") and set(eng.decode_ms) == {"fp32", "bf16"}
+        assert eng.info.kernels["decode_dtype"] == eng.decode_dtype
+        assert eng.kernel_table.kv_dtype in ("fp32", "bf16")
+        hidden = eng.chat.gpt.gpt.config.hidden_size
+        window = torch.randn(24, hidden, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            ref = eng.chat._decode_to_wavs([window.clone()], True)[0]
+            eng.decode_dtype = "bf16"
+            got = eng._decode([window.clone()])[0]
+        assert got.shape == ref.shape and np.isfinite(got).all()
+        snr = 10 * np.log10((ref ** 2).sum() / max(1e-30, ((got - ref) ** 2).sum()))
+        assert snr > 20, snr
+    finally:
+        eng.close()
+
+
 def test_engine_identity_names_the_weights_not_the_path(engine, tiny_checkpoint, tmp_path):
     """The phrase-cache namespace: equal for a copy of the same weights, different for
     other weights or other decode settings."""

@@ -554,8 +554,9 @@ async def bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
         res["logits_cosine_min"] = float(cos.min())
         res["greedy_agreement"] = float(
             (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
-        # the decoded audio of the teacher-forced run against fp32's (same codes fed)
-        wav = engine.chat._decode_to_wavs([hiddens], True)[0]
+        # the decoded audio of the teacher-forced run against fp32's (same codes fed),
+        # decoded as the engine serves (bf16 where chosen at load for int8/int4)
+        wav = engine._decode([hiddens])[0]
         if ref_wav is None:
             ref_wav = wav
         err = float(((wav - ref_wav) ** 2).sum())

@@ -792,3 +792,59 @@ async def test_a_cancelled_jobs_queue_entries_are_dropped_at_once(
                 break
             await asyncio.sleep(0.05)
         assert await store.redis.xlen(queue) == 0
+
+
+async def _stalled_post(port: int, path: str, drip: bool) -> tuple[bytes, float]:
+    """A POST announcing 100 bytes of JSON that sends 5 and then stops (or, with ``drip``,
+    goes on one byte every 0.3 s, each within any per-read deadline): the status line
+    answered and the seconds it took."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 "Content-Length: 100\r\n\r\n{\"tex".encode())
+    await writer.drain()
+    t0 = time.perf_counter()
+
+    async def dripper() -> None:
+        with contextlib.suppress(OSError):
+            for _ in range(90):
+                await asyncio.sleep(0.3)
+                writer.write(b" ")
+                await writer.drain()
+
+    task = asyncio.create_task(dripper()) if drip else None
+    try:
+        async with asyncio.timeout(10):
+            head = await reader.readline()
+    finally:
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        writer.close()
+    return head, time.perf_counter() - t0
+
+
+async def test_every_routes_body_read_has_a_deadline():
+    """Every route that reads a request body (``read_body``) answers 408 when the body has
+    not all arrived within ``http_read_timeout_s``: a body that stops, and a body dripped
+    a byte at a time (which a per-read deadline would not end)."""
+    from dataclasses import replace
+
+    from helpers import base_config, server
+    from rtts.server import bound_port
+
+    paths = ["/v1/audio/speech", "/v1/voices", "/v1/text-to-speech/seed:1",
+             "/v1/text-to-speech/seed:1/with-timestamps", "/tts/bytes", "/tts/sse",
+             "/v1/speak"]
+    async with server(replace(base_config(), http_read_timeout_s=1.0)) as (app, _):
+        port = bound_port(app)
+        results = await asyncio.gather(*(_stalled_post(port, p, drip) for p in paths
+                                         for drip in (False, True)))
+        for (head, took), (path, drip) in zip(
+                results, [(p, d) for p in paths for d in (False, True)], strict=True):
+            assert head.startswith(b"HTTP/1.1 408"), (path, drip, head)
+            assert took < 5, (path, drip, took)
+        # the server still answers a complete body at once
+        status, _ = await _http("POST", f"http://127.0.0.1:{port}/v1/voices",
+                                {"name": "ok", "seed": 1})
+        assert status == 201

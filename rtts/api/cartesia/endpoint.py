@@ -444,7 +444,8 @@ class CartesiaEndpoints:
         requests: list[Generation] = []
 
         async def parse(owner: str | None) -> SpeechRequest:  # (shared voices only yet)
-            raw = await read_body(request, service.config.max_message_bytes)
+            raw = await read_body(request, service.config.max_message_bytes,
+                                  service.config.http_read_timeout_s)
             try:
                 body = orjson.loads(raw)
             except orjson.JSONDecodeError:

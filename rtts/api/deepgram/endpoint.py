@@ -385,7 +385,8 @@ class DeepgramEndpoints:
 
         async def parse(owner: str | None) -> SpeechRequest:  # (shared voices only yet)
             opts = parse_options(dict(request.query_params), http=True)
-            raw = await read_body(request, service.config.max_message_bytes)
+            raw = await read_body(request, service.config.max_message_bytes,
+                                  service.config.http_read_timeout_s)
             try:
                 body = orjson.loads(raw)
             except orjson.JSONDecodeError:

@@ -848,3 +848,74 @@ async def test_every_routes_body_read_has_a_deadline():
         status, _ = await _http("POST", f"http://127.0.0.1:{port}/v1/voices",
                                 {"name": "ok", "seed": 1})
         assert status == 201
+
+
+async def test_a_keys_voices_resolve_on_the_cartesia_and_deepgram_sockets(tmp_path: Path):
+    """Cartesia's and Deepgram's sockets and HTTP routes find a voice by name among the
+    caller's key's voices (and the shared ones), as native and OpenAI do: k1's
+    ``narrator`` (seed 7) speaks as ``seed:7`` for k1; for k2 the name is just another
+    vendor voice id (a seed of its own), not k1's voice."""
+    from helpers import server
+    from rtts.server import bound_port
+
+    fmt = {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}
+
+    def cartesia_req(voice: str) -> dict[str, Any]:
+        return {"context_id": "c1", "model_id": "sonic-3", "transcript": "Hello there.",
+                "voice": {"mode": "id", "id": voice}, "output_format": fmt,
+                "continue": False}
+
+    async def cartesia_ws(port: int, key: str, voice: str) -> bytes:
+        import base64
+
+        audio = bytearray()
+        async with connect(f"ws://127.0.0.1:{port}/tts/websocket",
+                           additional_headers={"X-API-Key": key}) as ws:
+            await ws.send(json.dumps(cartesia_req(voice)))
+            async with asyncio.timeout(15):
+                while (msg := json.loads(await ws.recv()))["type"] == "chunk":
+                    audio += base64.b64decode(msg["data"])
+            assert msg["type"] == "done", msg
+        return bytes(audio)
+
+    async def cartesia_http(port: int, key: str, voice: str) -> bytes:
+        body = cartesia_req(voice)
+        del body["context_id"], body["continue"]
+        status, audio = await asyncio.to_thread(
+            _get, f"http://127.0.0.1:{port}/tts/bytes",
+            {"X-API-Key": key, "Content-Type": "application/json"}, "POST",
+            json.dumps(body).encode())
+        assert status == 200
+        return audio
+
+    async def deepgram_ws(port: int, key: str, model: str) -> bytes:
+        url = f"ws://127.0.0.1:{port}/v1/speak?model={model}&encoding=linear16"
+        got = bytearray()
+        async with connect(url, additional_headers={"Authorization": f"Token {key}"}) as ws:
+            assert json.loads(await ws.recv())["type"] == "Metadata"
+            await ws.send(json.dumps({"type": "Speak", "text": "Hello there."}))
+            await ws.send(json.dumps({"type": "Flush"}))
+            async with asyncio.timeout(15):
+                while isinstance(m := await ws.recv(), bytes):
+                    got += m
+            assert json.loads(m)["type"] == "Flushed"
+        return bytes(got)
+
+    async def deepgram_http(port: int, key: str, model: str) -> bytes:
+        status, audio = await asyncio.to_thread(
+            _get, f"http://127.0.0.1:{port}/v1/speak?model={model}&encoding=linear16",
+            {"Authorization": f"Token {key}", "Content-Type": "application/json"}, "POST",
+            b'{"text": "Hello there."}')
+        assert status == 200
+        return audio
+
+    async with server(_keyed_config(tmp_path)) as (app, _):
+        port = bound_port(app)
+        assert (await _http("POST", f"http://127.0.0.1:{port}/v1/voices",
+                            {"name": "narrator", "seed": 7}, H1))[0] == 201
+        for speak in (cartesia_ws, cartesia_http, deepgram_ws, deepgram_http):
+            own = await speak(port, K1, "narrator")
+            assert len(own) > 4800, speak
+            assert own == await speak(port, K1, "seed:7"), speak  # k1's voice
+            assert own != await speak(port, K2, "narrator"), speak  # not k1's for k2
+        assert not app.auth.active

@@ -451,6 +451,44 @@ async def test_jobs_per_key_are_bounded(tmp_path: Path, redis_url: str):
                             text))[0] == 202
 
 
+async def test_a_server_without_keys_has_its_own_larger_job_cap(
+        tmp_path: Path, redis_url: str):
+    """Without keys every client is one owner: the per-key cap (4) would be the whole
+    server's; ``max_jobs_without_keys`` is that server-wide cap instead."""
+    from dataclasses import replace
+
+    from helpers import base_config, server
+    from rtts.server import bound_port
+
+    jobs = _jobs_cfg(redis_url, tmp_path, max_jobs_per_key=1, max_jobs_without_keys=3)
+    async with server(replace(base_config(), jobs=jobs)) as (app, _):  # no worker, no keys
+        base = f"http://127.0.0.1:{bound_port(app)}"
+        sent = [await _http("POST", f"{base}/v1/jobs?format=pcm16", b"Hello there.",
+                            {"Content-Type": "text/plain"}) for _ in range(4)]
+        assert [s for s, _ in sent] == [202, 202, 202, 429]
+        assert "3 unfinished jobs on this server" in sent[3][1]["error"]["message"]
+
+
+def test_the_round3_limits_have_serve_flags():
+    from rtts.cli.main import ConfigError, build_parser, config_from_args
+
+    cfg = config_from_args(build_parser().parse_args([
+        "serve", "--http-read-timeout", "5", "--http-write-timeout", "7",
+        "--max-voices-per-key", "9", "--jobs-max-per-key", "2", "--jobs-max-without-keys",
+        "20", "--jobs-max-queued-chars-per-key", "1000", "--jobs-max-audio-gb-per-key", "0.5",
+        "--jobs-max-chapters", "10"]))
+    assert (cfg.http_read_timeout_s, cfg.http_write_timeout_s, cfg.max_voices_per_key) == (
+        5, 7, 9)
+    j = cfg.jobs
+    assert (j.max_jobs_per_key, j.max_jobs_without_keys, j.max_queued_chars_per_key,
+            j.max_audio_bytes_per_key, j.max_chapters) == (2, 20, 1000, 2**29, 10)
+    default = config_from_args(build_parser().parse_args(["serve"]))
+    assert default.jobs.max_jobs_without_keys == 64 and default.http_read_timeout_s == 30
+    for bad in (["--http-read-timeout", "0"], ["--jobs-max-per-key", "0"]):
+        with pytest.raises(ConfigError):
+            config_from_args(build_parser().parse_args(["serve", *bad]))
+
+
 async def test_a_second_keys_short_job_does_not_wait_behind_a_big_one(
         tmp_path: Path, redis_url: str):
     """The probe: a second key's one-sentence job waited over 62 s behind the first key's

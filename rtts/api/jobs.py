@@ -186,8 +186,10 @@ class JobEndpoints:
         stored audio as it may; else the characters it has queued."""
         cfg = self.store.config
         unfinished, chars, audio = await self.store.holdings(kid)
-        if unfinished >= cfg.max_jobs_per_key:
-            raise ApiError(429, f"at most {cfg.max_jobs_per_key} unfinished jobs per key",
+        most = cfg.max_jobs_per_key if self.auth.enabled else cfg.max_jobs_without_keys
+        if unfinished >= most:
+            raise ApiError(429, f"at most {most} unfinished jobs "
+                           f"{'per key' if self.auth.enabled else 'on this server'}",
                            type="requests", code="job_quota", headers={"Retry-After": "60"})
         if chars >= cfg.max_queued_chars_per_key:
             raise ApiError(429, f"at most {cfg.max_queued_chars_per_key} characters of "

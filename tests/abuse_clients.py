@@ -76,7 +76,7 @@ async def idle_tcp(port: int, n: int, stop: asyncio.Event, **_: Any) -> None:
     held = [await _open(port, n) for _ in range(20)]
     try:
         while not stop.is_set() and not all(r.at_eof() for r, _ in held):
-            await asyncio.sleep(0.5)
+            await _wait(stop, 0.5)
     finally:
         for _, w in held:
             w.close()
@@ -151,9 +151,16 @@ async def wyoming_silent(port: int, n: int, stop: asyncio.Event, wport: int = 0,
         writer.write(b'{"type": "synthesize", "data_length": 100}\n')  # data never comes
         async with asyncio.timeout(40):
             while not stop.is_set() and not reader.at_eof():
-                await asyncio.sleep(0.5)
+                await _wait(stop, 0.5)
     finally:
         writer.close()
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> None:
+    """Until ``stop`` is set, or ``seconds``."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await stop.wait()
 
 
 KINDS: list[Callable[..., Awaitable[None]]] = [

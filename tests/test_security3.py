@@ -862,7 +862,7 @@ async def _stalled_post(port: int, path: str, drip: bool) -> tuple[bytes, float]
     return head, time.perf_counter() - t0
 
 
-async def test_every_routes_body_read_has_a_deadline():
+async def test_every_routes_body_read_has_a_deadline(tmp_path: Path):
     """Every route that reads a request body (``read_body``) answers 408 when the body has
     not all arrived within ``http_read_timeout_s``: a body that stops, and a body dripped
     a byte at a time (which a per-read deadline would not end)."""
@@ -874,7 +874,8 @@ async def test_every_routes_body_read_has_a_deadline():
     paths = ["/v1/audio/speech", "/v1/voices", "/v1/text-to-speech/seed:1",
              "/v1/text-to-speech/seed:1/with-timestamps", "/tts/bytes", "/tts/sse",
              "/v1/speak"]
-    async with server(replace(base_config(), http_read_timeout_s=1.0)) as (app, _):
+    cfg = replace(base_config(), http_read_timeout_s=1.0, voices_dir=tmp_path / "voices")
+    async with server(cfg) as (app, _):
         port = bound_port(app)
         results = await asyncio.gather(*(_stalled_post(port, p, drip) for p in paths
                                          for drip in (False, True)))

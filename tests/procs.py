@@ -74,13 +74,22 @@ def start_redis(workdir: Path) -> Iterator[str]:
 
 @contextlib.contextmanager
 def start_rtts(args: list[str], port: int, log: Path,
-               env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    """``python -m rtts serve --port PORT ARGS``; yields once ``/readyz`` is 200."""
+               env: dict[str, str] | None = None,
+               nofile: int | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """``python -m rtts serve --port PORT ARGS``; yields once ``/readyz`` is 200. With
+    ``nofile``, the server runs under that open-file limit (soft and hard)."""
     out = log.open("wb")
+
+    def limit() -> None:
+        import resource
+
+        assert nofile is not None
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
     proc = subprocess.Popen(
         [sys.executable, "-m", "rtts", "serve", "--host", "127.0.0.1", "--port", str(port),
          *args], stdout=out, stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {})})
+        env={**os.environ, **(env or {})}, preexec_fn=limit if nofile else None)
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz")
         yield proc

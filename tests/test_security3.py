@@ -451,6 +451,44 @@ async def test_jobs_per_key_are_bounded(tmp_path: Path, redis_url: str):
                             text))[0] == 202
 
 
+async def test_a_server_without_keys_has_its_own_larger_job_cap(
+        tmp_path: Path, redis_url: str):
+    """Without keys every client is one owner: the per-key cap (4) would be the whole
+    server's; ``max_jobs_without_keys`` is that server-wide cap instead."""
+    from dataclasses import replace
+
+    from helpers import base_config, server
+    from rtts.server import bound_port
+
+    jobs = _jobs_cfg(redis_url, tmp_path, max_jobs_per_key=1, max_jobs_without_keys=3)
+    async with server(replace(base_config(), jobs=jobs)) as (app, _):  # no worker, no keys
+        base = f"http://127.0.0.1:{bound_port(app)}"
+        sent = [await _http("POST", f"{base}/v1/jobs?format=pcm16", b"Hello there.",
+                            {"Content-Type": "text/plain"}) for _ in range(4)]
+        assert [s for s, _ in sent] == [202, 202, 202, 429]
+        assert "3 unfinished jobs on this server" in sent[3][1]["error"]["message"]
+
+
+def test_the_round3_limits_have_serve_flags():
+    from rtts.cli.main import ConfigError, build_parser, config_from_args
+
+    cfg = config_from_args(build_parser().parse_args([
+        "serve", "--http-read-timeout", "5", "--http-write-timeout", "7",
+        "--max-voices-per-key", "9", "--jobs-max-per-key", "2", "--jobs-max-without-keys",
+        "20", "--jobs-max-queued-chars-per-key", "1000", "--jobs-max-audio-gb-per-key", "0.5",
+        "--jobs-max-chapters", "10"]))
+    assert (cfg.http_read_timeout_s, cfg.http_write_timeout_s, cfg.max_voices_per_key) == (
+        5, 7, 9)
+    j = cfg.jobs
+    assert (j.max_jobs_per_key, j.max_jobs_without_keys, j.max_queued_chars_per_key,
+            j.max_audio_bytes_per_key, j.max_chapters) == (2, 20, 1000, 2**29, 10)
+    default = config_from_args(build_parser().parse_args(["serve"]))
+    assert default.jobs.max_jobs_without_keys == 64 and default.http_read_timeout_s == 30
+    for bad in (["--http-read-timeout", "0"], ["--jobs-max-per-key", "0"]):
+        with pytest.raises(ConfigError):
+            config_from_args(build_parser().parse_args(["serve", *bad]))
+
+
 async def test_a_second_keys_short_job_does_not_wait_behind_a_big_one(
         tmp_path: Path, redis_url: str):
     """The probe: a second key's one-sentence job waited over 62 s behind the first key's
@@ -792,3 +830,131 @@ async def test_a_cancelled_jobs_queue_entries_are_dropped_at_once(
                 break
             await asyncio.sleep(0.05)
         assert await store.redis.xlen(queue) == 0
+
+
+async def _stalled_post(port: int, path: str, drip: bool) -> tuple[bytes, float]:
+    """A POST announcing 100 bytes of JSON that sends 5 and then stops (or, with ``drip``,
+    goes on one byte every 0.3 s, each within any per-read deadline): the status line
+    answered and the seconds it took."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 "Content-Length: 100\r\n\r\n{\"tex".encode())
+    await writer.drain()
+    t0 = time.perf_counter()
+
+    async def dripper() -> None:
+        with contextlib.suppress(OSError):
+            for _ in range(90):
+                await asyncio.sleep(0.3)
+                writer.write(b" ")
+                await writer.drain()
+
+    task = asyncio.create_task(dripper()) if drip else None
+    try:
+        async with asyncio.timeout(10):
+            head = await reader.readline()
+    finally:
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        writer.close()
+    return head, time.perf_counter() - t0
+
+
+async def test_every_routes_body_read_has_a_deadline(tmp_path: Path):
+    """Every route that reads a request body (``read_body``) answers 408 when the body has
+    not all arrived within ``http_read_timeout_s``: a body that stops, and a body dripped
+    a byte at a time (which a per-read deadline would not end)."""
+    from dataclasses import replace
+
+    from helpers import base_config, server
+    from rtts.server import bound_port
+
+    paths = ["/v1/audio/speech", "/v1/voices", "/v1/text-to-speech/seed:1",
+             "/v1/text-to-speech/seed:1/with-timestamps", "/tts/bytes", "/tts/sse",
+             "/v1/speak"]
+    cfg = replace(base_config(), http_read_timeout_s=1.0, voices_dir=tmp_path / "voices")
+    async with server(cfg) as (app, _):
+        port = bound_port(app)
+        results = await asyncio.gather(*(_stalled_post(port, p, drip) for p in paths
+                                         for drip in (False, True)))
+        for (head, took), (path, drip) in zip(
+                results, [(p, d) for p in paths for d in (False, True)], strict=True):
+            assert head.startswith(b"HTTP/1.1 408"), (path, drip, head)
+            assert took < 5, (path, drip, took)
+        # the server still answers a complete body at once
+        status, _ = await _http("POST", f"http://127.0.0.1:{port}/v1/voices",
+                                {"name": "ok", "seed": 1})
+        assert status == 201
+
+
+async def test_a_keys_voices_resolve_on_the_cartesia_and_deepgram_sockets(tmp_path: Path):
+    """Cartesia's and Deepgram's sockets and HTTP routes find a voice by name among the
+    caller's key's voices (and the shared ones), as native and OpenAI do: k1's
+    ``narrator`` (seed 7) speaks as ``seed:7`` for k1; for k2 the name is just another
+    vendor voice id (a seed of its own), not k1's voice."""
+    from helpers import server
+    from rtts.server import bound_port
+
+    fmt = {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}
+
+    def cartesia_req(voice: str) -> dict[str, Any]:
+        return {"context_id": "c1", "model_id": "sonic-3", "transcript": "Hello there.",
+                "voice": {"mode": "id", "id": voice}, "output_format": fmt,
+                "continue": False}
+
+    async def cartesia_ws(port: int, key: str, voice: str) -> bytes:
+        import base64
+
+        audio = bytearray()
+        async with connect(f"ws://127.0.0.1:{port}/tts/websocket",
+                           additional_headers={"X-API-Key": key}) as ws:
+            await ws.send(json.dumps(cartesia_req(voice)))
+            async with asyncio.timeout(15):
+                while (msg := json.loads(await ws.recv()))["type"] == "chunk":
+                    audio += base64.b64decode(msg["data"])
+            assert msg["type"] == "done", msg
+        return bytes(audio)
+
+    async def cartesia_http(port: int, key: str, voice: str) -> bytes:
+        body = cartesia_req(voice)
+        del body["context_id"], body["continue"]
+        status, audio = await asyncio.to_thread(
+            _get, f"http://127.0.0.1:{port}/tts/bytes",
+            {"X-API-Key": key, "Content-Type": "application/json"}, "POST",
+            json.dumps(body).encode())
+        assert status == 200
+        return audio
+
+    async def deepgram_ws(port: int, key: str, model: str) -> bytes:
+        url = f"ws://127.0.0.1:{port}/v1/speak?model={model}&encoding=linear16"
+        got = bytearray()
+        async with connect(url, additional_headers={"Authorization": f"Token {key}"}) as ws:
+            assert json.loads(await ws.recv())["type"] == "Metadata"
+            await ws.send(json.dumps({"type": "Speak", "text": "Hello there."}))
+            await ws.send(json.dumps({"type": "Flush"}))
+            async with asyncio.timeout(15):
+                while isinstance(m := await ws.recv(), bytes):
+                    got += m
+            assert json.loads(m)["type"] == "Flushed"
+        return bytes(got)
+
+    async def deepgram_http(port: int, key: str, model: str) -> bytes:
+        status, audio = await asyncio.to_thread(
+            _get, f"http://127.0.0.1:{port}/v1/speak?model={model}&encoding=linear16",
+            {"Authorization": f"Token {key}", "Content-Type": "application/json"}, "POST",
+            b'{"text": "Hello there."}')
+        assert status == 200
+        return audio
+
+    async with server(_keyed_config(tmp_path)) as (app, _):
+        port = bound_port(app)
+        assert (await _http("POST", f"http://127.0.0.1:{port}/v1/voices",
+                            {"name": "narrator", "seed": 7}, H1))[0] == 201
+        for speak in (cartesia_ws, cartesia_http, deepgram_ws, deepgram_http):
+            own = await speak(port, K1, "narrator")
+            assert len(own) > 4800, speak
+            assert own == await speak(port, K1, "seed:7"), speak  # k1's voice
+            assert own != await speak(port, K2, "narrator"), speak  # not k1's for k2
+        assert not app.auth.active

@@ -93,6 +93,26 @@ export class JitterBuffer {
     return heard;
   }
 
+  /**
+   * Drop the queued audio of one segment of a stream (a chunk already playing finishes);
+   * the stream goes on. Returns the samples dropped.
+   * @param {number} stream @param {number} segment
+   * @returns {number}
+   */
+  dropSegment(stream, segment) {
+    const s = this.streams.get(stream);
+    if (!s) return 0;
+    let dropped = 0;
+    for (let i = s.chunks.length - 1; i >= 0; i--) {
+      if (s.segs[i] !== segment || (i === 0 && s.offset > 0)) continue;
+      dropped += s.chunks[i].length;
+      s.chunks.splice(i, 1);
+      s.segs.splice(i, 1);
+    }
+    s.buffered -= dropped;
+    return dropped;
+  }
+
   _remove(stream, reason) {
     const s = this.streams.get(stream);
     if (!s) return;

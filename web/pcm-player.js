@@ -124,6 +124,15 @@ export class PcmPlayer extends EventTarget {
   }
 
   /**
+   * Drop the audio of one segment of a track not yet played (the track goes on): the
+   * client does it to a segment cut off by a dropped connection, which it says again.
+   * @param {number} track @param {number} segment
+   */
+  dropSegment(track, segment) {
+    this.node?.port.postMessage({ type: "drop", stream: track, segment });
+  }
+
+  /**
    * Stop a track now (5 ms fade) and drop its queued and late audio.
    * @param {number} track
    * @returns {Promise<{played: number, segments: Object<string, number>}>} samples heard

@@ -1,6 +1,7 @@
 // AudioWorkletProcessor: a thin wrapper around JitterBuffer (see jitter-buffer.js).
 // Messages in (port): {type:'write', stream, segment, samples: Float32Array, rate}
 //   {type:'announce', stream} {type:'end', stream} {type:'interrupt', stream, id}
+//   {type:'drop', stream, segment} (a segment's queued audio, for a resumed utterance)
 // Samples arrive at the context's rate (the client asks the server for it). Only when the
 // server cannot send that rate does a LinearResampler convert here (counted in `resampled`).
 // Messages out: {type:'stats', ...} every ~50 ms, {type:'finished', stream, played,
@@ -43,6 +44,9 @@ class PcmPlayerProcessor extends AudioWorkletProcessor {
       }
       case "end":
         this.jb.end(msg.stream);
+        break;
+      case "drop":
+        this.jb.dropSegment(msg.stream, msg.segment);
         break;
       case "interrupt": {
         const heard = this.jb.interrupt(msg.stream);

@@ -23,6 +23,13 @@
 //
 // Nothing throws out of a timer or an event handler, and a failed or cancelled utterance
 // always releases its player track, so later utterances never wait behind it.
+//
+// Resume: an utterance the server was speaking when the connection dropped (the instance
+// died or drained, the network went) is not lost. The client keeps its text; on reconnect
+// (same URL: behind a balancer, maybe another instance) it opens the context again with
+// the same params and sends the text from the first character whose audio it has not
+// received whole, so nothing heard is said again and nothing is skipped (see
+// `_resumePoint`; docs/protocols/native.md, "Resuming after a drop").
 import { parseFrame, pickServerRate } from "./protocol.js";
 import { PcmPlayer } from "./pcm-player.js";
 
@@ -82,6 +89,9 @@ export { parseFrame, buildFrame, pcm16ToFloat32 } from "./protocol.js";
  * @property {SpeakOptions} [defaults]      params applied to every speak()
  * @property {string | (() => Promise<string>)} [token] short-lived browser token from your
  *   backend (GET /v1/token with the API key); a function is called before each (re)connect
+ * @property {boolean} [resume=true] an utterance being spoken when the connection drops is
+ *   resumed on reconnect from its first unheard character (false: it fails with
+ *   `disconnected`); it waits for the connection at most `queue.deadlineMs`
  */
 
 let contextCounter = 0;
@@ -143,6 +153,18 @@ export class Utterance extends EventTarget {
     /** @type {Promise<Heard> | null} */
     this._cancelling = null;
     this._inputEnded = false; // `end` was sent or queued: no more write/flush/end
+    /** @type {object | null} the `start` message, sent again to resume */
+    this._start = null;
+    this._text = ""; // all the text given so far (what a resume sends the rest of)
+    this._base = 0; // code points of `_text` before the server context's input (resumes)
+    this._segBase = 0; // utterance segment number of the server context's segment 0
+    this._audioBaseMs = 0; // ms of this utterance's audio before the server context's
+    /** @type {number | null} code point of `_text` to resume from, while waiting */
+    this._resumeFrom = null;
+    this._resumeFlush = false;
+    /** @type {Map<number, number>} samples received per (utterance) segment */
+    this._received = new Map();
+    this.resumes = 0; // times this utterance was resumed after a drop
   }
 
   _emit(type, detail) {
@@ -196,6 +218,12 @@ export class Utterance extends EventTarget {
              segments: this.segments.map((s) => ({ segment: s.segment, text: s.text,
                                                    heardMs: s.heardMs })) };
   }
+}
+
+/** The code points of a string (the server counts text offsets in them).
+ * @param {string} text @returns {string[]} */
+function codePoints(text) {
+  return Array.from(text);
 }
 
 /** `promise`, or `fallback()` after `ms` (the timer is cleared either way). */
@@ -407,7 +435,8 @@ export class RttsClient extends EventTarget {
       this._queued -= queue.length;
       if (u.state !== "queued") continue;
       u.state = "open";
-      for (const m of queue) this._send(m);
+      if (u._resumeFrom !== null) this._sendResume(u);
+      else for (const m of queue) this._send(m);
     }
     for (const w of this._waiters.splice(0)) w.open(this);
   }
@@ -417,10 +446,13 @@ export class RttsClient extends EventTarget {
     this.ws = null;
     this._connecting = false;
     this.byStream.clear(); // stream numbers start again on the next connection
+    const permanent = (wasReady && PERMANENT_CLOSE.has(code))
+      || (!wasReady && (code === 1008 || code === 1009));
+    const resume = this.options.resume !== false && !this._closedByUser && !permanent;
     for (const u of this.utterances.values()) {
-      if (u.state === "open") {
-        this._fail(u, { code: "disconnected", message: `connection closed (${code})` });
-      }
+      if (u.state !== "open") continue;
+      if (resume) this._awaitResume(u, code);
+      else this._fail(u, { code: "disconnected", message: `connection closed (${code})` });
     }
     if (wasReady) this.dispatchEvent(new CustomEvent("close", { detail: { code, reason } }));
     if (this._closedByUser) return;
@@ -482,8 +514,13 @@ export class RttsClient extends EventTarget {
 
   /** A message of one utterance: sent, queued with it, or ignored once it is over. */
   _sendFor(u, msg) {
+    if (msg.type === "text" && (u.state === "open" || u.state === "queued")) u._text += msg.text;
     if (u.state === "open") return this._send(msg);
     if (u.state !== "queued") return false;
+    if (u._resumeFrom !== null) { // waiting to resume: the text is kept in `_text`
+      if (msg.type === "flush") u._resumeFlush = true;
+      return true;
+    }
     const last = u._queue[u._queue.length - 1];
     if (msg.type === "text" && last?.type === "text"
         && last.text.length + msg.text.length <= MAX_MERGED_TEXT) {
@@ -535,6 +572,7 @@ export class RttsClient extends EventTarget {
       ["normalize", "normalize"], ["timings", "timings"]]) {
       if (o[k] !== undefined) start[key] = o[k];
     }
+    u._start = start;
     if (this.state !== "open") {
       u.state = "queued";
       this._pending.push(u);
@@ -574,7 +612,9 @@ export class RttsClient extends EventTarget {
 
   /** Send a `playback` report for an utterance (rate-limited unless `force`). */
   _report(u, playedMs, bufferedMs, force = false) {
-    if (u.state !== "open" || !(playedMs >= 0) || !Number.isFinite(playedMs)) return;
+    if (u.state !== "open" || !Number.isFinite(playedMs)) return;
+    playedMs = Math.max(0, playedMs - u._audioBaseMs); // of the server context's audio
+    if (!(playedMs >= 0)) return;
     const now = performance.now();
     const every = this.options.reportEveryMs ?? 250;
     if (!force && (playedMs <= u._reportedMs || now - u._reportAt < every)) return;
@@ -653,7 +693,8 @@ export class RttsClient extends EventTarget {
     u._heardTotal = heard.played;
     u._heardSegments = heard.segments;
     if (live) {
-      const playedMs = this.player ? (heard.played * 1000) / this.player.sampleRate
+      const playedMs = this.player
+        ? Math.max(0, (heard.played * 1000) / this.player.sampleRate - u._audioBaseMs)
         : u._reportedMs;
       if (playedMs >= 0) {
         this._send({ type: "playback", context_id: u.contextId,
@@ -666,8 +707,9 @@ export class RttsClient extends EventTarget {
     /** @type {Heard} */
     const result = u.heard();
     if (server) {
-      result.heardMs = server.heard_ms;
-      result.textSpoken = server.text_spoken;
+      result.heardMs = server.heard_ms + u._audioBaseMs;
+      // the server knows the text since the last resume only
+      result.textSpoken = codePoints(u._text).slice(0, u._base).join("") + server.text_spoken;
       result.textRemaining = server.text_remaining;
     }
     if (stops) u._emit("cancelled", result);
@@ -722,8 +764,10 @@ export class RttsClient extends EventTarget {
       u.ttfaMs = performance.now() - u.createdAt;
       u._emit("started", { ttfaMs: u.ttfaMs });
     }
-    this.player?.write(u.track, frame.header.segment, frame.pcm, u.sampleRate);
-    u._emit("audio", { segment: frame.header.segment, sequence: frame.header.sequence,
+    const segment = u._segBase + frame.header.segment;
+    u._received.set(segment, (u._received.get(segment) ?? 0) + frame.pcm.length);
+    this.player?.write(u.track, segment, frame.pcm, u.sampleRate);
+    u._emit("audio", { segment, sequence: frame.header.sequence,
                        pcm: frame.pcm, sampleRate: u.sampleRate });
   }
 
@@ -741,6 +785,7 @@ export class RttsClient extends EventTarget {
     switch (msg.type) {
       case "segment_started":
         if (!u || u.state !== "open") return;
+        this._toUtterance(u, msg);
         u.stream = msg.stream;
         this.byStream.set(msg.stream, u);
         u.segments.push({ segment: msg.segment, text: msg.text,
@@ -751,6 +796,7 @@ export class RttsClient extends EventTarget {
         break;
       case "segment_done": {
         if (!u) return;
+        this._toUtterance(u, msg);
         const s = u.segments.find((x) => x.segment === msg.segment);
         if (s) s.durationMs = msg.duration_ms;
         u._emit("segment", msg);
@@ -762,6 +808,8 @@ export class RttsClient extends EventTarget {
       case "done":
         if (!u || u.state !== "open") return;
         u.state = "done";
+        msg.segments += u._segBase;
+        msg.audio_ms += u._audioBaseMs;
         u.audioMs = msg.audio_ms;
         this.player?.end(u.track);
         u._resolve({ segments: msg.segments, audioMs: msg.audio_ms });
@@ -793,7 +841,7 @@ export class RttsClient extends EventTarget {
     if (!this.player) {
       u._ended({ played: 0, segments: {} });
       this._forget(u);
-    } else if (queued || u.ttfaMs === null) {
+    } else if (u.ttfaMs === null) {
       // nothing of it was played: free its place in the play order at once
       this.player.interrupt(u.track).then((h) => u._ended(h), () => u._ended({
         played: 0, segments: {} })).finally(() => this._forget(u));
@@ -802,6 +850,83 @@ export class RttsClient extends EventTarget {
     }
     u._reject(Object.assign(new Error(err.message), err));
     u._emit("error", err);
+  }
+
+  /** A server event's segment numbers, text offsets and times -> the utterance's (they
+   * differ from the server context's after a resume). */
+  _toUtterance(u, msg) {
+    if (typeof msg.segment === "number") msg.segment += u._segBase;
+    if (typeof msg.text_start === "number") msg.text_start += u._base;
+    if (typeof msg.text_end === "number") msg.text_end += u._base;
+    if (typeof msg.audio_start_ms === "number") msg.audio_start_ms += u._audioBaseMs;
+    if (Array.isArray(msg.char_start_ms) && u._audioBaseMs) {
+      msg.char_start_ms = msg.char_start_ms.map((t) => t + u._audioBaseMs);
+    }
+  }
+
+  /**
+   * Where a dropped utterance resumes: the end of the last segment whose audio arrived
+   * whole (`segment_done`), in code points of its text, and the segments after it (whose
+   * audio arrived in part, or not at all). Their audio not yet played is dropped from the
+   * player, and the text is said again from the segment's start: what was heard of a
+   * segment cut off mid-way (at most one: the one playing) is the only audio said twice.
+   * @returns {{from: number, partial: number[], keptMs: number}}
+   */
+  _resumePoint(u) {
+    let from = u._base;
+    let keptMs = u._audioBaseMs;
+    const partial = [];
+    for (const s of u.segments) {
+      if (s.segment < u._segBase) continue; // of an earlier server context: kept whole
+      if (s.durationMs !== null) {
+        from = Math.max(from, s.textEnd);
+        keptMs = Math.max(keptMs, s.audioStartMs + s.durationMs);
+      } else {
+        partial.push(s.segment);
+      }
+    }
+    return { from, partial, keptMs };
+  }
+
+  /** The connection dropped under an open utterance: wait for the next one, then resume. */
+  _awaitResume(u, code) {
+    const { from, partial, keptMs } = this._resumePoint(u);
+    let heardOfPartialMs = 0;
+    const rate = this.player?.sampleRate ?? u.sampleRate;
+    const segs = this.player?.stats?.positions?.[u.track]?.segments ?? {};
+    for (const seg of partial) {
+      heardOfPartialMs += ((segs[seg] ?? 0) * 1000) / rate;
+      this.player?.dropSegment?.(u.track, seg);
+    }
+    // segments of the new server context come after every segment of this one
+    u._segBase = Math.max(u._segBase, ...u.segments.map((s) => s.segment + 1));
+    u.segments = u.segments.filter((s) => !partial.includes(s.segment));
+    u._base = from;
+    u._audioBaseMs = keptMs + heardOfPartialMs;
+    u._resumeFrom = from;
+    u._resumeFlush = false;
+    u.state = "queued";
+    u.resumes += 1;
+    this._pending.push(u);
+    const deadlineMs = this.options.queue?.deadlineMs ?? 10000;
+    clearTimeout(u._deadline);
+    u._deadline = setTimeout(() => this._fail(u, {
+      code: "disconnected",
+      message: `connection closed (${code}) and not back within ${deadlineMs} ms` }),
+    deadlineMs);
+    u._emit("resuming", { code, from, textRemaining: codePoints(u._text).slice(from).join("") });
+  }
+
+  /** Open the dropped utterance's context again and send the rest of its text. */
+  _sendResume(u) {
+    const from = /** @type {number} */ (u._resumeFrom);
+    u._resumeFrom = null;
+    const rest = codePoints(u._text).slice(from).join("");
+    this._send(u._start);
+    if (rest) this._send({ type: "text", context_id: u.contextId, text: rest });
+    if (u._inputEnded) this._send({ type: "end", context_id: u.contextId });
+    else if (u._resumeFlush) this._send({ type: "flush", context_id: u.contextId });
+    u._emit("resumed", { from, text: rest, attempt: u.resumes });
   }
 
   _forget(u) {

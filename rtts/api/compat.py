@@ -35,13 +35,14 @@ _VENDOR_ID: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-.]{0,62}$")
 _SEEDS: Final = 100_000
 
 
-def compat_voice(voice_id: object, service: Service) -> str | None:
+def compat_voice(voice_id: object, service: Service, owner: str | None = None) -> str | None:
     """The rtts ``voice`` for a vendor voice id, or None when it is not one. A voice the
-    engine refuses (a malformed speaker string) raises :class:`ProtocolError`."""
+    engine refuses (a malformed speaker string) raises :class:`ProtocolError`. Named
+    voices are ``owner``'s (the key's owner id) and the shared ones."""
     if not isinstance(voice_id, str) or not voice_id or len(voice_id) > 4096:
         return None
     try:
-        return resolve_voice(voice_id, service)
+        return resolve_voice(voice_id, service, owner)
     except ProtocolError:
         if len(voice_id) >= 64:
             raise

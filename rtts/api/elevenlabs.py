@@ -855,7 +855,8 @@ class ElevenLabsEndpoints:
         async def parse(owner: str | None) -> SpeechRequest:
             fmt = parse_output_format(request.query_params.get("output_format"))
             formats.append(fmt)
-            raw = await read_body(request, service.config.max_message_bytes)
+            raw = await read_body(request, service.config.max_message_bytes,
+                                  service.config.http_read_timeout_s)
             try:
                 body = orjson.loads(raw)
             except orjson.JSONDecodeError:

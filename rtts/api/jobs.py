@@ -34,6 +34,7 @@ from rtts.api.http.common import (
     authorize,
     check_ready,
     read_body,
+    read_timeout_error,
     speech_options,
 )
 from rtts.audio.codecs import codec_for, output_rate
@@ -139,11 +140,8 @@ class JobEndpoints:
             ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
             body: bytes | None = None
             if ctype == "application/json":
-                try:
-                    async with asyncio.timeout(self.service.config.http_read_timeout_s):
-                        raw = await read_body(request, limit + 64 * 1024)
-                except TimeoutError:
-                    raise _read_timeout(self.service.config.http_read_timeout_s) from None
+                raw = await read_body(request, limit + 64 * 1024,
+                                      self.service.config.http_read_timeout_s)
                 try:  # up to 16 MiB: parsed off the event loop
                     obj = (orjson.loads(raw) if len(raw) < 64 * 1024
                            else await asyncio.to_thread(orjson.loads, raw))
@@ -188,8 +186,10 @@ class JobEndpoints:
         stored audio as it may; else the characters it has queued."""
         cfg = self.store.config
         unfinished, chars, audio = await self.store.holdings(kid)
-        if unfinished >= cfg.max_jobs_per_key:
-            raise ApiError(429, f"at most {cfg.max_jobs_per_key} unfinished jobs per key",
+        most = cfg.max_jobs_per_key if self.auth.enabled else cfg.max_jobs_without_keys
+        if unfinished >= most:
+            raise ApiError(429, f"at most {most} unfinished jobs "
+                           f"{'per key' if self.auth.enabled else 'on this server'}",
                            type="requests", code="job_quota", headers={"Retry-After": "60"})
         if chars >= cfg.max_queued_chars_per_key:
             raise ApiError(429, f"at most {cfg.max_queued_chars_per_key} characters of "
@@ -370,11 +370,6 @@ class JobEndpoints:
             self.auth.release(kid)
 
 
-def _read_timeout(seconds: float) -> ApiError:
-    return ApiError(408, f"the request body stopped arriving for {seconds:g} s",
-                    code="request_timeout", headers={"Connection": "close"})
-
-
 async def _by_deadline(pieces: AsyncIterator[bytes], seconds: float) -> AsyncIterator[bytes]:
     """``pieces``, each within ``seconds`` of the last (a 408 otherwise): a body announced
     by its Content-Length that never comes, or stalls, no longer holds the key forever."""
@@ -386,7 +381,7 @@ async def _by_deadline(pieces: AsyncIterator[bytes], seconds: float) -> AsyncIte
         except StopAsyncIteration:
             return
         except TimeoutError:
-            raise _read_timeout(seconds) from None
+            raise read_timeout_error(seconds) from None
         yield piece
 
 

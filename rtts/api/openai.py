@@ -192,7 +192,8 @@ class OpenAIEndpoints:
         parsed: list[dict[str, Any]] = []
 
         async def parse(owner: str | None) -> SpeechRequest:
-            raw = await read_body(request, service.config.max_message_bytes)
+            raw = await read_body(request, service.config.max_message_bytes,
+                                  service.config.http_read_timeout_s)
             try:
                 body = orjson.loads(raw)
             except orjson.JSONDecodeError:

@@ -100,11 +100,12 @@ class VoiceEndpoints:
     async def create(self, request: Request) -> Response:
         owner = self._owner(self._admit(request))
         if _is_form(request):
-            form = await _form(request)
+            form = await _form(request, self.service.config.http_read_timeout_s)
             voice = await self._from_clip(owner, form.get("name"), _file(form, "audio"),
                                           form.get("transcript", ""), None)
             return _created(voice)
-        raw = await read_body(request, MAX_UPLOAD_BYTES)
+        raw = await read_body(request, MAX_UPLOAD_BYTES,
+                              self.service.config.http_read_timeout_s)
         try:
             body: Any = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -150,7 +151,7 @@ class VoiceEndpoints:
         owner = self._owner(self._admit(request))
         if not _is_form(request):
             raise ApiError(400, "send a multipart/form-data form", code="invalid_value")
-        form = await _form(request)
+        form = await _form(request, self.service.config.http_read_timeout_s)
         title = form.get("name")
         if not isinstance(title, str) or not title.strip():
             raise ApiError(400, "name is required", param="name", code="invalid_value")
@@ -206,12 +207,12 @@ def _is_form(request: Request) -> bool:
     return request.headers.get("content-type", "").startswith("multipart/form-data")
 
 
-async def _form(request: Request) -> dict[str, Any]:
+async def _form(request: Request, timeout_s: float) -> dict[str, Any]:
     """A multipart form read with its whole body bounded first (:data:`MAX_UPLOAD_BYTES`):
     text fields as str, files as bytes (the first of each name)."""
     from starlette.datastructures import UploadFile
 
-    raw = await read_body(request, MAX_UPLOAD_BYTES)
+    raw = await read_body(request, MAX_UPLOAD_BYTES, timeout_s)
     sent = False
 
     async def receive() -> dict[str, Any]:

@@ -55,6 +55,9 @@ class JobsConfig:
     # per key (job owner; without keys, everyone is one): unfinished jobs, the characters
     # of their text, and bytes of stored audio (of every job the key still holds)
     max_jobs_per_key: int = 4
+    # without API keys every client is the one owner "anonymous": its cap on unfinished
+    # jobs is this, server-wide (the character and audio caps apply server-wide too)
+    max_jobs_without_keys: int = 64
     max_queued_chars_per_key: int = 20_000_000
     max_audio_bytes_per_key: int = 4 * 2**30
 

@@ -170,10 +170,10 @@ test("open: every call goes straight to the socket; close fails what is open", a
   await client.close(); // idempotent
 });
 
-test("reconnecting: a drop fails open utterances, queues new ones, backoff never gives up",
-  async () => {
+test("reconnecting (resume off): a drop fails open utterances, queues new ones, backoff "
+  + "never gives up", async () => {
     const script = new Script();
-    const { client, player } = makeClient(script);
+    const { client, player } = makeClient(script, { resume: false });
     await client.open();
     const a = client.speak("Before the drop.", { contextId: "a" });
     script.last.serverSays({ type: "segment_started", context_id: "a", stream: 1,
@@ -392,5 +392,95 @@ test("ten cancel-then-speak rounds leave no track open and nothing queued", asyn
   await u.ended;
   assert.equal(player.open.size, 0);
   assert.equal(client.utterances.size, 0);
+  await client.close();
+});
+
+test("a drop mid-utterance resumes it on the next connection from the first segment not "
+  + "received whole, with utterance-level segments, offsets and reports", async () => {
+  const script = new Script();
+  const { client, player } = makeClient(script);
+  player.dropped = [];
+  player.dropSegment = (track, seg) => player.dropped.push([track, seg]);
+  await client.open();
+  const text = "First sentence here. Second one. Third and last.";
+  const u = client.speak(undefined, { contextId: "r", voice: "seed:4", timings: true });
+  u.write("First sentence here. Second one.");
+  u.write(" Third and last.");
+  u.end();
+  const ws1 = script.last;
+  const seg = (ws, n, start, end, audioStart) => ws.serverSays({
+    type: "segment_started", context_id: "r", stream: 3, segment: n,
+    text: text.slice(start, end), text_start: start, text_end: end,
+    audio_start_ms: audioStart });
+  seg(ws1, 0, 0, 20, 0);
+  ws1.serverFrame(buildFrame({ stream: 3, segment: 0, sequence: 0 }, new Int16Array(2400)));
+  ws1.serverSays({ type: "segment_done", context_id: "r", segment: 0, text_start: 0,
+                   text_end: 20, audio_start_ms: 0, duration_ms: 1000 });
+  seg(ws1, 1, 21, 32, 1000); // audio of it arrives in part: said again after the drop
+  ws1.serverFrame(buildFrame({ stream: 3, segment: 1, sequence: 0 }, new Int16Array(2400)));
+  const events = [];
+  u.addEventListener("resuming", (e) => events.push(["resuming", e.detail]));
+  u.addEventListener("resumed", (e) => events.push(["resumed", e.detail]));
+  script.plan = ["refuse"];
+  ws1.drop(1006); // the instance died
+  assert.equal(u.state, "queued");
+  assert.deepEqual(player.dropped, [[u.track, 1]]); // its unplayed audio is dropped
+  u.flush(); // ignored after end(); harmless
+  await until(() => client.state === "open");
+  const ws2 = script.last;
+  assert.notEqual(ws2, ws1);
+  assert.equal(u.state, "open");
+  assert.deepEqual(ws2.sent.map((m) => m.type), ["start", "text", "end"]);
+  assert.equal(ws2.sent[0].voice, "seed:4"); // the same params
+  assert.equal(ws2.sent[0].context_id, "r");
+  assert.equal(ws2.sent[1].text, " Second one. Third and last."); // from code point 20
+  assert.deepEqual(events.map(([k]) => k), ["resuming", "resumed"]);
+  assert.equal(events[0][1].from, 20);
+  // the new context's segment 0 is the utterance's segment 2, its offsets shifted by 20
+  ws2.serverSays({ type: "segment_started", context_id: "r", stream: 1, segment: 0,
+                   text: " Second one.", text_start: 0, text_end: 12, audio_start_ms: 0 });
+  ws2.serverFrame(buildFrame({ stream: 1, segment: 0, sequence: 0 }, new Int16Array(240)));
+  assert.deepEqual(u.segments.map((s) => [s.segment, s.textStart, s.textEnd, s.audioStartMs]),
+                   [[0, 0, 20, 0], [2, 20, 32, 1000]]);
+  // playback reports are of the new context's audio: 1000 ms before it
+  player.stats({ [u.track]: { played: 36000, segments: { 0: 24000, 2: 12000 } } });
+  const report = ws2.sent.find((m) => m.type === "playback");
+  assert.equal(report.played_ms, 500);
+  ws2.serverSays({ type: "done", context_id: "r", segments: 2, audio_ms: 2000 });
+  const done = await u.done;
+  assert.deepEqual(done, { segments: 4, audioMs: 3000 });
+  assert.equal(u.resumes, 1);
+  await client.close();
+});
+
+test("a resumed utterance that cannot reconnect in time fails and plays out what it has",
+  async () => {
+    const script = new Script();
+    const { client, player } = makeClient(script, { queue: { deadlineMs: 30 },
+                                                     reconnect: { baseDelayMs: 1000,
+                                                                  maxDelayMs: 1000 } });
+    await client.open();
+    const u = client.speak("Hello there.", { contextId: "x" });
+    script.last.serverSays({ type: "segment_started", context_id: "x", stream: 1,
+                             segment: 0, text: "Hello there.", text_start: 0, text_end: 12,
+                             audio_start_ms: 0 });
+    script.last.serverFrame(buildFrame({ stream: 1, segment: 0, sequence: 0 },
+                                       new Int16Array(240)));
+    script.fallback = "refuse";
+    script.last.drop(1001); // drained past its grace
+    await assert.rejects(u.done, (err) => err.code === "disconnected");
+    assert.ok(player.calls.some(([k, t]) => k === "end" && t === u.track));
+    assert.ok(!player.calls.some(([k, t]) => k === "interrupt" && t === u.track));
+    await client.close();
+  });
+
+test("a permanent close or close() does not resume", async () => {
+  const script = new Script();
+  const { client } = makeClient(script);
+  await client.open();
+  const u = client.speak("Hello there.", { contextId: "p" });
+  script.last.drop(1008);
+  await assert.rejects(u.done, (err) => err.code === "disconnected");
+  assert.equal(client.state, "closed");
   await client.close();
 });

@@ -77,6 +77,13 @@ export class JitterBuffer {
             [x: number]: number;
         };
     };
+    /**
+     * Drop the queued audio of one segment of a stream (a chunk already playing finishes);
+     * the stream goes on. Returns the samples dropped.
+     * @param {number} stream @param {number} segment
+     * @returns {number}
+     */
+    dropSegment(stream: number, segment: number): number;
     _remove(stream: any, reason: any): void;
     get bufferedMs(): number;
     /**

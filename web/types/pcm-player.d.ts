@@ -63,6 +63,12 @@ export class PcmPlayer extends EventTarget {
     /** No more audio for this track. */
     end(track: any): void;
     /**
+     * Drop the audio of one segment of a track not yet played (the track goes on): the
+     * client does it to a segment cut off by a dropped connection, which it says again.
+     * @param {number} track @param {number} segment
+     */
+    dropSegment(track: number, segment: number): void;
+    /**
      * Stop a track now (5 ms fade) and drop its queued and late audio.
      * @param {number} track
      * @returns {Promise<{played: number, segments: Object<string, number>}>} samples heard

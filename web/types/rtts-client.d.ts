@@ -92,6 +92,18 @@ export class Utterance extends EventTarget {
     /** @type {Promise<Heard> | null} */
     _cancelling: Promise<Heard> | null;
     _inputEnded: boolean;
+    /** @type {object | null} the `start` message, sent again to resume */
+    _start: object | null;
+    _text: string;
+    _base: number;
+    _segBase: number;
+    _audioBaseMs: number;
+    /** @type {number | null} code point of `_text` to resume from, while waiting */
+    _resumeFrom: number | null;
+    _resumeFlush: boolean;
+    /** @type {Map<number, number>} samples received per (utterance) segment */
+    _received: Map<number, number>;
+    resumes: number;
     _emit(type: any, detail: any): void;
     /** Stop this utterance now (server generation and local playback).
      * @returns {Promise<Heard>} */
@@ -229,6 +241,26 @@ export class RttsClient extends EventTarget {
     _onEvent(msg: any): void;
     /** End an utterance with an error: reject `done`, emit `error`, release its track. */
     _fail(u: any, err: any): void;
+    /** A server event's segment numbers, text offsets and times -> the utterance's (they
+     * differ from the server context's after a resume). */
+    _toUtterance(u: any, msg: any): void;
+    /**
+     * Where a dropped utterance resumes: the end of the last segment whose audio arrived
+     * whole (`segment_done`), in code points of its text, and the segments after it (whose
+     * audio arrived in part, or not at all). Their audio not yet played is dropped from the
+     * player, and the text is said again from the segment's start: what was heard of a
+     * segment cut off mid-way (at most one: the one playing) is the only audio said twice.
+     * @returns {{from: number, partial: number[], keptMs: number}}
+     */
+    _resumePoint(u: any): {
+        from: number;
+        partial: number[];
+        keptMs: number;
+    };
+    /** The connection dropped under an open utterance: wait for the next one, then resume. */
+    _awaitResume(u: any, code: any): void;
+    /** Open the dropped utterance's context again and send the rest of its text. */
+    _sendResume(u: any): void;
     _forget(u: any): void;
     _onFinished(info: any): void;
 }
@@ -358,6 +390,12 @@ export type ConnectOptions = {
      * backend (GET /v1/token with the API key); a function is called before each (re)connect
      */
     token?: string | (() => Promise<string>);
+    /**
+     * an utterance being spoken when the connection drops is
+     * resumed on reconnect from its first unheard character (false: it fails with
+     * `disconnected`); it waits for the connection at most `queue.deadlineMs`
+     */
+    resume?: boolean;
 };
 export type Heard = {
     /**

@@ -84,8 +84,9 @@ MAX_HTTP_CHARS: Final = 40_960
 MAX_PENDING_FLUSHES: Final = 256
 
 
-def params_for(gen: Generation, service: Service) -> SynthParams:
-    """The synthesis params of a context's first request, else :class:`CartesiaError`."""
+def params_for(gen: Generation, service: Service, owner: str | None = None) -> SynthParams:
+    """The synthesis params of a context's first request, else :class:`CartesiaError`;
+    named voices are ``owner``'s (the caller's key's owner id) and the shared ones."""
     if gen.embedding:
         raise CartesiaError("voice embeddings are not supported here; use voice.mode \"id\" "
                             "with a voice id (GET /v1/voices)", "voice_embedding_unsupported")
@@ -94,13 +95,13 @@ def params_for(gen: Generation, service: Service) -> SynthParams:
                             "voice_required")
     speed = 5 if gen.speed is None else speed_from_factor(gen.speed)
     try:
-        voice = compat_voice(gen.voice_id, service)
+        voice = compat_voice(gen.voice_id, service, owner)
         if voice is None:
             raise CartesiaError(f"unknown voice {gen.voice_id[:64]!r}: use a voice name "
                                 "(GET /v1/voices), seed:N or a Cartesia voice id (UUID)",
                                 "voice_not_found", status=404, title="Voice not found")
         params = SynthParams(voice=voice, speed=speed)
-        service.validate_params(params)
+        service.validate_params(params, owner)
     except ProtocolError as exc:
         raise CartesiaError(exc.message, str(exc.code)) from None
     return params
@@ -128,7 +129,7 @@ class _Context:
         assert gen.output_format is not None
         self.sock = sock
         self.cid = cid
-        self.speech = service.open_context(params, account=sock.account)
+        self.speech = service.open_context(params, owner=sock.owner)
         self.encoder = encoder_for(gen.output_format, service.sample_rate)
         self.add_timestamps = gen.add_timestamps
         self.delay_ms = gen.max_buffer_delay_ms
@@ -243,10 +244,11 @@ class _Socket:
     """One ``/tts/websocket`` connection: the reader, and one task per context."""
 
     def __init__(self, endpoint: CartesiaEndpoints, ws: ServerConnection,
-                 account: str | None = None) -> None:
+                 owner: str | None = None) -> None:
         self.endpoint = endpoint
         self.ws = ws
-        self.account = account  # whose usage its contexts count as (the key's owner id)
+        self.owner = owner  # whose named voices this socket may use (None: shared only)
+        self.account = owner  # whose usage its contexts count as (the key's owner id)
         self.contexts: dict[str, _Context] = {}
         self._tasks = OwnedTasks()
         self._closing = False
@@ -347,7 +349,7 @@ class _Socket:
             service.check_admission()
         except RttsError as exc:
             raise _overloaded(exc.message) from None
-        params = params_for(gen, service)
+        params = params_for(gen, service, self.owner)
         ctx = _Context(self, cid, gen, params)
         self.contexts[cid] = ctx
         ctx.task = self._tasks.spawn(self._run_context(ctx), f"rtts-cartesia-{cid[:32]}")
@@ -408,8 +410,8 @@ class CartesiaEndpoints:
         async with self.admission.session(ws) as principal:
             if principal is None:
                 return
-            account = self.auth.owner(principal.kid) if principal.kid else None
-            await self.sockets.serve(_Socket(self, ws, account), self.service)
+            owner = self.auth.owner(principal.kid) if principal.kid else None
+            await self.sockets.serve(_Socket(self, ws, owner), self.service)
 
     def busy(self) -> int:
         return sum(1 for s in self.sockets if s.contexts)
@@ -443,8 +445,9 @@ class CartesiaEndpoints:
         service = self.service
         requests: list[Generation] = []
 
-        async def parse(owner: str | None) -> SpeechRequest:  # (shared voices only yet)
-            raw = await read_body(request, service.config.max_message_bytes)
+        async def parse(owner: str | None) -> SpeechRequest:
+            raw = await read_body(request, service.config.max_message_bytes,
+                                  service.config.http_read_timeout_s)
             try:
                 body = orjson.loads(raw)
             except orjson.JSONDecodeError:
@@ -460,7 +463,7 @@ class CartesiaEndpoints:
                 raise CartesiaError("/tts/sse sends raw audio: output_format.container raw",
                                     "invalid_output_format")
             requests.append(gen)
-            return SpeechRequest(gen.transcript, params_for(gen, service), fmt.container,
+            return SpeechRequest(gen.transcript, params_for(gen, service, owner), fmt.container,
                                  fmt.sample_rate, fmt.bit_rate,
                                  encoder=lambda rate: encoder_for(fmt, rate))
 

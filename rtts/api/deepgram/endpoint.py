@@ -80,16 +80,18 @@ MAX_HTTP_CHARS: Final = 40_960
 MAX_PENDING_FLUSHES: Final = 256
 
 
-def params_for(opts: SpeakOptions, service: Service) -> SynthParams:
+def params_for(opts: SpeakOptions, service: Service, owner: str | None = None) -> SynthParams:
+    """The synthesis params for ``opts``, else :class:`DeepgramError`; named voices are
+    ``owner``'s (the caller's key's owner id) and the shared ones."""
     speed = 5 if opts.speed is None else speed_from_factor(opts.speed)
     try:
-        voice = compat_voice(opts.model, service)
+        voice = compat_voice(opts.model, service, owner)
         if voice is None:
             raise DeepgramError(f"unknown model {opts.model[:64]!r}: use a voice name "
                                 "(GET /v1/voices), seed:N or a Deepgram model name",
                                 "INVALID_MODEL")
         params = SynthParams(voice=voice, speed=speed)
-        service.validate_params(params)
+        service.validate_params(params, owner)
     except ProtocolError as exc:
         raise DeepgramError(exc.message, "INVALID_MODEL") from None
     return params
@@ -133,12 +135,13 @@ class _Socket:
     """One ``/v1/speak`` connection: the reader, and the task sending the stream's audio."""
 
     def __init__(self, endpoint: DeepgramEndpoints, ws: ServerConnection,
-                 opts: SpeakOptions, params: SynthParams, account: str | None = None) -> None:
+                 opts: SpeakOptions, params: SynthParams, owner: str | None = None) -> None:
         self.endpoint = endpoint
         self.ws = ws
         self.opts = opts
         self.params = params
-        self.account = account  # whose usage its streams count as (the key's owner id)
+        self.owner = owner  # whose named voices the stream may use (None: shared only)
+        self.account = owner  # whose usage its streams count as (the key's owner id)
         self.request_id = str(uuid.uuid4())
         self.speech: Any = None  # the SpeechContext of the stream, opened by the first Speak
         self.task: asyncio.Task[None] | None = None
@@ -242,7 +245,7 @@ class _Socket:
                 service.check_admission()
             except RttsError as exc:
                 raise _overloaded(exc.message) from None
-            self.speech = service.open_context(self.params, account=self.account)
+            self.speech = service.open_context(self.params, owner=self.owner)
             self.marks = FlushMarks()
             self.task = self._tasks.spawn(self._run_stream(self.speech), "rtts-deepgram-stream")
         self.marks.feed(text)
@@ -327,7 +330,7 @@ class DeepgramEndpoints:
                                 f"{FLUX_PATH}\n")
         assert self.admission is not None
         try:
-            params_for(parse_options(_query(request.path)), self.service)
+            opts = parse_options(_query(request.path))
         except DeepgramError as exc:
             self.service.stats.protocol_errors += 1
             return _refuse(exc)
@@ -336,8 +339,16 @@ class DeepgramEndpoints:
         key = auth_key(authorization, protocols)
         token_header = bool(authorization) and authorization is not None and (
             authorization[:6].lower() == "token ")
-        return self.admission.handshake(connection, request, key=key,
-                                        header=not token_header)
+        refused = self.admission.handshake(connection, request, key=key,
+                                           header=not token_header)
+        if refused is not None:
+            return refused
+        try:  # the model may be the key's own voice: checked once the key is known
+            params_for(opts, self.service, self.admission.owner_of(connection))
+        except DeepgramError as exc:
+            self.service.stats.protocol_errors += 1
+            return _refuse(exc)
+        return None
 
     async def handle(self, ws: ServerConnection) -> None:
         assert self.admission is not None
@@ -346,12 +357,11 @@ class DeepgramEndpoints:
                 return
             path = ws.request.path if ws.request is not None else ""
             opts = parse_options(_query(path))
-            params = params_for(opts, self.service)
-            account = self.auth.owner(principal.kid) if principal.kid else None
+            owner = self.auth.owner(principal.kid) if principal.kid else None
+            params = params_for(opts, self.service, owner)
             sock: _Socket | FluxSocket = (
-                FluxSocket(self, ws, opts, params, account)
-                if path.split("?", 1)[0] == FLUX_PATH
-                else _Socket(self, ws, opts, params, account))
+                FluxSocket(self, ws, opts, params, owner) if path.split("?", 1)[0] == FLUX_PATH
+                else _Socket(self, ws, opts, params, owner))
             await self.sockets.serve(sock, self.service)
 
     def busy(self) -> int:
@@ -383,9 +393,10 @@ class DeepgramEndpoints:
         options: list[SpeakOptions] = []
         texts: list[str] = []
 
-        async def parse(owner: str | None) -> SpeechRequest:  # (shared voices only yet)
+        async def parse(owner: str | None) -> SpeechRequest:
             opts = parse_options(dict(request.query_params), http=True)
-            raw = await read_body(request, service.config.max_message_bytes)
+            raw = await read_body(request, service.config.max_message_bytes,
+                                  service.config.http_read_timeout_s)
             try:
                 body = orjson.loads(raw)
             except orjson.JSONDecodeError:
@@ -399,7 +410,7 @@ class DeepgramEndpoints:
                                     "INVALID_BODY", status=413)
             options.append(opts)
             texts.append(text)
-            return SpeechRequest(text, params_for(opts, service), opts.encoding,
+            return SpeechRequest(text, params_for(opts, service, owner), opts.encoding,
                                  opts.sample_rate, opts.bit_rate,
                                  encoder=lambda rate: _http_encoder(opts, rate))
 

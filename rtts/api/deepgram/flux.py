@@ -76,12 +76,13 @@ class FluxSocket:
     """One ``/v2/speak`` connection: the reader, and the task playing the turns in order."""
 
     def __init__(self, endpoint: DeepgramEndpoints, ws: ServerConnection, opts: SpeakOptions,
-                 params: SynthParams, account: str | None = None) -> None:
+                 params: SynthParams, owner: str | None = None) -> None:
         self.endpoint = endpoint
         self.ws = ws
         self.opts = opts
         self.params = params
-        self.account = account  # whose usage its turns count as (the key's owner id)
+        self.owner = owner  # whose named voices the turns may use (None: shared only)
+        self.account = owner  # whose usage its turns count as (the key's owner id)
         self.turns: deque[_Turn] = deque()  # unfinished, in order; the last may be open
         self.flushes = 0
         self._wake = asyncio.Event()
@@ -189,7 +190,7 @@ class FluxSocket:
             except RttsError as exc:
                 raise DeepgramError(exc.message, "TOO_MANY_REQUESTS",
                                     close=CLOSE_TRY_AGAIN_LATER, fatal=True) from None
-            turn = _Turn(service.open_context(self.params, account=self.account))
+            turn = _Turn(service.open_context(self.params, owner=self.owner))
             self.turns.append(turn)
             if self._player is None or self._player.done():
                 self._player = self._tasks.spawn(self._play(), "rtts-deepgram-flux")

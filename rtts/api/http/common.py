@@ -28,6 +28,7 @@ from rtts.errors import ProtocolError, RttsError
 
 __all__ = ["ApiError", "DeadlineStreamingResponse", "api_error_response", "auth_api_error",
            "authorize", "authorize_listing", "b64", "check_ready", "number_param", "read_body",
+           "read_timeout_error",
            "speech_options", "sse"]
 
 
@@ -179,17 +180,30 @@ def speech_options(service: Service, options: Mapping[str, object],
     return parsed
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, or a 413 :class:`ApiError` past ``limit`` bytes."""
+def read_timeout_error(seconds: float) -> ApiError:
+    """The 408 for a request body that did not arrive in time (the connection closes)."""
+    return ApiError(408, f"the request body did not arrive within {seconds:g} s",
+                    code="request_timeout", headers={"Connection": "close"})
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The request body, or a 413 :class:`ApiError` past ``limit`` bytes, or a 408 when the
+    whole body has not arrived within ``timeout_s`` (``http_read_timeout_s``): a body
+    announced by its Content-Length that never comes, or one dripped a byte at a time, no
+    longer holds the request (and the key's session) forever."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body larger than {limit} bytes", code="body_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"request body larger than {limit} bytes",
-                           code="body_too_large")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise ApiError(413, f"request body larger than {limit} bytes",
+                                   code="body_too_large")
+    except TimeoutError:
+        raise read_timeout_error(timeout_s) from None
     return bytes(body)
 
 

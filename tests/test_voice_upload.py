@@ -11,6 +11,7 @@ import json
 import urllib.error
 import urllib.request
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from helpers import base_config, client, server
 from rtts.audio.decode import ClipError, decode_clip
 from rtts.core.governor import Level
 from rtts.core.params import NO_SPEAKER, SynthParams, parse_params, trim_sample
+from rtts.engines.base import EngineInfo
 from rtts.engines.fake import FakeEngine
 from rtts.errors import ProtocolError
 from rtts.server import bound_port
@@ -104,7 +106,9 @@ def test_start_options_are_validated():
                       "repetition_penalty": 1.2})
     assert (p.anchor, p.refine_prompt, p.repetition_penalty) == (
         False, "[oral_3][laugh_1][break_7]", 1.2)
-    assert parse_params({}).anchor is True and not parse_params({}).refines
+    # unset: the server decides (Service.anchor_fits), true/false force it
+    assert parse_params({}).anchor is None and not parse_params({}).refines
+    assert parse_params({"anchor": True}).anchor is True
     for bad in ({"anchor": "yes"}, {"oral": 10}, {"laugh": 3}, {"breaks": -1},
                 {"repetition_penalty": 0.5}, {"repetition_penalty": True}):
         with pytest.raises(ProtocolError):
@@ -156,6 +160,36 @@ async def test_later_segments_carry_the_first_segments_codes():
         submitted.clear()
         await _segments(app, text, voice="seed:3", anchor=False)
         assert len(submitted) == 3 and all(p.sample is None for p in submitted)
+
+
+class MeasuredFake(FakeEngine):
+    """The fake engine reporting measured step times, as ChatTTS's ``info.kernels`` does."""
+    kernels: dict[str, object] | None = None
+
+    @property
+    def info(self) -> EngineInfo:
+        base = super().info
+        return base if self.kernels is None else replace(base, kernels=self.kernels)
+
+
+async def test_unset_anchor_follows_the_engines_measured_real_time_headroom():
+    engine = MeasuredFake(ms_per_char=2)
+    async with server(engine=engine) as (app, _):
+        # unmeasured (the fake engine reports no step times): anchor
+        assert (await _segments(app, "One here. Two here.", voice="seed:3")).anchoring
+        # measured: 2 real-time streams; with 1 speaking one more fits, with 2 it does not
+        engine.kernels = {"realtime_streams": 2, "step_ms": {"1": 5.0, "2": 8.0}}
+        app.speaking = 1
+        assert app.anchor_fits(engine)
+        app.speaking = 2
+        assert not app.anchor_fits(engine)
+        ctx = app.open_context(SynthParams(voice="seed:3"), use_cache=False)
+        assert not ctx.anchoring  # behind real time: the later segments do not wait
+        forced = app.open_context(SynthParams(voice="seed:3", anchor=True), use_cache=False)
+        assert forced.anchoring
+        ctx.cancel()
+        forced.cancel()
+        app.speaking = 0
 
 
 async def test_a_degraded_server_does_not_wait_for_the_anchor():

@@ -112,12 +112,16 @@ def play(chunks: Sequence[tuple[float, float]], sent: float, prebuffer_s: float
 
 
 async def listen(url: str, text: str, index: int, prebuffer_s: float,
-                 anchor: bool = True) -> PlayerResult:
-    """One session: send ``text``, record every frame's arrival, play it back paced."""
+                 anchor: bool | None = None) -> PlayerResult:
+    """One session: send ``text``, record every frame's arrival, play it back paced.
+    ``anchor`` None leaves the start option unset (the server's default)."""
     async with connect(url, max_size=None, ping_interval=None) as ws:
         await ws.recv()  # ready
-        await ws.send(json.dumps({"type": "start", "voice": f"seed:{index % 5}",
-                                  "seed": 1 + index, "anchor": anchor}))
+        start: dict[str, object] = {"type": "start", "voice": f"seed:{index % 5}",
+                                    "seed": 1 + index}
+        if anchor is not None:
+            start["anchor"] = anchor
+        await ws.send(json.dumps(start))
         sent = time.perf_counter()
         await ws.send(json.dumps({"type": "text", "text": text}))
         await ws.send(json.dumps({"type": "end"}))
@@ -369,10 +373,12 @@ async def bench_realtime(args: argparse.Namespace) -> dict[str, Any]:
                 run_server(replace(base, scheduler=sched), engine, load=False))
             await app.start_serving()
             urls[name] = f"ws://127.0.0.1:{bound_port(app)}{base.ws_path}"
-        variants = {"on": [("", True)], "off": [("-noanchor", False)],
-                    "both": [("", True), ("-noanchor", False)]}[args.anchor]
+        modes: dict[str, list[tuple[str, bool | None]]] = {
+            "auto": [("", None)], "on": [("", True)], "off": [("-noanchor", False)],
+            "both": [("", True), ("-noanchor", False)]}
+        variants = modes[args.anchor]
         runs = [(name + suffix, name, anchor, most) for name, _, _, most in setups
-                for suffix, anchor in (variants if name != "stock" else [("", True)])]
+                for suffix, anchor in (variants if name != "stock" else [("", None)])]
         for n in counts:
             for rep_i in range(args.repeat):
                 for label, name, anchor, most in runs:
@@ -423,9 +429,11 @@ def add_parser(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
     p.add_argument("--text", default=PARAGRAPH)
     p.add_argument("--repeat", type=int, default=1, help="alternating runs per stream count")
-    p.add_argument("--anchor", choices=("on", "off", "both"), default="on",
-                   help="speaker anchoring (the start option) in the rtts runs; both: each "
-                   "rtts setting with and without, plus the prefill/step of anchored rows")
+    p.add_argument("--anchor", choices=("auto", "on", "off", "both"), default="auto",
+                   help="speaker anchoring (the start option) in the rtts runs; auto: the "
+                   "option unset (the server anchors where the engine has real-time "
+                   "headroom); both: each rtts setting with and without, plus the "
+                   "prefill/step of anchored rows")
     p.add_argument("--anchor-sample-s", type=float, default=3.0,
                    help="sample length for the anchored prefill/step timing (seconds)")
     p.add_argument("--json", type=Path, default=None, help="also write results here")

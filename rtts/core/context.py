@@ -13,9 +13,10 @@ cache) produces it; up to ``lookahead`` segments are submitted ahead of the one 
 Leaving the ``async for`` early (or :meth:`SpeechContext.cancel`) cancels the in-flight
 requests, which frees their batch rows.
 
-**Speaker anchoring** (``params.anchor``, on by default, for an engine with samples): once
-the context's first generated segment ends, every later segment is conditioned on that
-segment's codes and text (its :attr:`~rtts.core.params.SynthParams.sample`, bounded to
+**Speaker anchoring** (``params.anchor``; when unset, where the engine has real-time
+headroom: :meth:`Service.anchor_fits`; for an engine with samples): once the context's
+first generated segment ends, every later segment is conditioned on that segment's codes
+and text (its :attr:`~rtts.core.params.SynthParams.sample`, bounded to
 :data:`ANCHOR_SECONDS`), ChatTTS's own long-text recipe, so the voice holds across
 segments. Until then no later segment is submitted (the lookahead waits for the anchor).
 A voice that has its own sample is conditioned on it throughout, and needs no anchor.
@@ -127,7 +128,8 @@ class SpeechContext:
         engine = service.engine_for(params)
         self.engine = engine.name  # who speaks it (metrics per engine)
         # speaker anchoring (see the module doc): the sample later segments carry
-        self.anchoring = params.anchor and params.sample is None and engine.info.samples
+        anchor = params.anchor if params.anchor is not None else service.anchor_fits(engine)
+        self.anchoring = anchor and params.sample is None and engine.info.samples
         self.anchor: SpeakerSample | None = None
         self._anchor_source: RequestStream | None = None  # the segment it will come from
         self._submitting = asyncio.Lock()  # one submitter at a time: segments stay in order

@@ -95,7 +95,9 @@ class SynthParams:
     refine: bool = False
     # Speaker anchoring: after a context's first segment, later ones are conditioned on its
     # codes and text (ChatTTS's long-text recipe), so the voice holds across segments.
-    anchor: bool = True
+    # None (the default): where the engine has real-time headroom for it
+    # (Service.anchor_fits); True / False: always / never.
+    anchor: bool | None = None
     # ChatTTS's refine prompt levels ([oral_N] 0-9, [laugh_N] 0-2, [break_N] 0-7); any
     # set runs the refine pass with that prompt (None: ChatTTS's empty prompt)
     oral: int | None = None
@@ -194,8 +196,8 @@ def parse_params(obj: Mapping[str, Any]) -> SynthParams:
     refine = obj.get("refine", False)
     if not isinstance(refine, bool):
         raise _bad("refine must be true or false")
-    anchor = obj.get("anchor", True)
-    if not isinstance(anchor, bool):
+    anchor = obj.get("anchor")
+    if anchor is not None and not isinstance(anchor, bool):
         raise _bad("anchor must be true or false")
     return SynthParams(
         voice=voice,

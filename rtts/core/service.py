@@ -306,6 +306,20 @@ class Service:
         """What a drain waits for: busy sessions (the server counts every front-end's)."""
         return self.speaking
 
+    def anchor_fits(self, engine: Engine) -> bool:
+        """Whether a new context on ``engine`` anchors by default (``anchor`` unset): unless
+        the engine's measured real-time capacity does not cover one more stream than speak
+        now. Anchoring makes a later segment wait for the first one's generation and
+        prefill its codes, which an engine behind real time pays as silence: on the 2-core
+        Xeon, int4, full size, silence per second of audio went 0.20 -> 0.38 at 1 stream
+        and 1.24 -> 1.71 at 4 (docs/voices.md). Unmeasured (the fake engine, ChatTTS before
+        its first timed steps): anchor."""
+        kernels = engine.info.kernels or {}
+        measured = kernels.get("realtime_streams")
+        if isinstance(measured, int | float) and kernels.get("step_ms"):
+            return int(measured) >= self.speaking + 1
+        return True
+
     def capacity(self) -> tuple[int, str]:
         """The streams this instance can speak at once, and where the figure comes from:
         per engine, the real-time streams its decode steps measure (``measured``: ChatTTS

@@ -55,7 +55,21 @@ _FILE: contextvars.ContextVar[tuple[str, dict[str, Any]] | None] = contextvars.C
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps descriptions as written; adds each option's default and variable to its help."""
+    """Keeps descriptions as written; adds each option's default and variable to its help.
+
+    Options without a metavar of their own show a short one (N for a count, NUM for a
+    number, PATH for a file or directory, VALUE otherwise) instead of the upper-cased
+    destination, so that most flags and their help share a line at 80 columns.
+    """
+
+    def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
+        if action.type is int:
+            return "N"
+        if action.type is float:
+            return "NUM"
+        if any(w in action.dest for w in ("dir", "file", "path", "model")):
+            return "PATH"
+        return "VALUE"
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""

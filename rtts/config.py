@@ -57,6 +57,8 @@ class EngineConfig:
     decode_context: int = 16  # tokens of left context when decoding a window
     decode_lookahead: int = 4  # tokens held back until their right context exists
     default_voice_seed: int = 2
+    # the GPT decode step through torch.compile (gpt_loop.CompiledDecode; compiled at
+    # warm-up, about a minute per graph on 2 cores)
     compile: bool = False
     # GPT linear weights: auto (fp32/bf16, fastest measured) | fp32 | bf16 | int8 | int4
     dtype: str = "auto"

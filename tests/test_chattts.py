@@ -469,3 +469,45 @@ async def test_numbers_reach_the_gpt_spoken_and_offsets_index_the_input(tiny_che
     for e in started:
         assert written[e["text_start"]:e["text_end"]] == e["text"]
     assert "".join(e["text"] for e in started).replace(" ", "") == written.replace(" ", "")
+
+
+def test_compiled_decode_step_matches_eager_and_never_recompiles_while_serving(
+        tiny_checkpoint: Path) -> None:
+    """--compile: the decode step's layer loop through torch.compile (gpt_loop.CompiledDecode)
+    is compiled at warm-up for 1 and for 2+ rows of a serving batch; afterwards rows joining
+    and leaving, any row count up to the slots and a growing buffer run on those two graphs
+    (no further compile), and a row computes what the eager loop computes."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    eng = ChatTTSEngine(EngineConfig(source="custom", model_dir=tiny_checkpoint, threads=2,
+                                     stream_tokens=8, dtype="fp32", batch_rows=4,
+                                     compile=True))
+    eng.load()
+    eng.warmup()
+    assert eng.compiled is not None and eng.compiled.ready and eng.compiled.compile_s > 0
+    assert eng.thread_tuner is None  # compiled loops keep their thread count
+    graphs = counters["stats"]["unique_graphs"]
+    n = 16
+    ref = _reference(eng, TEXTS[0], n).hiddens[0]
+    gpt = eng.batch(4)
+    assert gpt.decode is eng.compiled
+    with torch.no_grad():
+        rows = gpt.add([_spec(eng, TEXTS[0], n)])
+        for _ in range(3):
+            gpt.step()
+        rows += gpt.add([_spec(eng, TEXTS[1], n), _spec(eng, TEXTS[2], n)])
+    _finish(gpt, rows)
+    cos = torch.nn.functional.cosine_similarity(ref[:n], rows[0].hiddens[:n], dim=-1)
+    assert float(cos.min()) > 0.9999
+    # a small buffer that compacts and grows, one row then three
+    gpt = eng.batch(4)
+    gpt._alloc(8)
+    with torch.no_grad():
+        more = gpt.add([_spec(eng, TEXTS[2], n)])
+        for _ in range(5):
+            gpt.step()
+        more += gpt.add([_spec(eng, TEXTS[0], n), _spec(eng, TEXTS[1], n)])
+    _finish(gpt, more)
+    assert all(r.length == n for r in more)
+    assert counters["stats"]["unique_graphs"] == graphs, "a step compiled again"

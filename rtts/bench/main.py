@@ -475,7 +475,8 @@ def _step_ms(engine: Any, rows: int, steps: int) -> float:
     from rtts.core.params import SynthParams
     from rtts.engines.base import SynthRequest
 
-    gpt = engine.batch(rows)
+    # as many slots as a serving batch has (a compiled decode step is compiled for it)
+    gpt = engine.batch(max(rows, engine.config.batch_rows))
     reqs = [SynthRequest(f"{BENCH_TEXT}, {i}.", SynthParams(seed=i), max_new_token=steps + 8)
             for i in range(rows)]
     times = []

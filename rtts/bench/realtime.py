@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -300,6 +301,7 @@ async def bench_realtime(args: argparse.Namespace) -> dict[str, Any]:
     from rtts.core.cache import CacheConfig
     from rtts.core.scheduler import SchedulerConfig
     from rtts.engines.chattts import ChatTTSEngine, StockChatTTSEngine
+    from rtts.engines.threads import run_in_own_thread
     from rtts.server import bound_port, run_server
 
     torch.set_num_threads(args.threads)
@@ -326,12 +328,15 @@ async def bench_realtime(args: argparse.Namespace) -> dict[str, Any]:
         "tokens": args.tokens, "prebuffer_s": args.prebuffer,
         "silence_tolerance_s": args.silence_tolerance, "counts": counts, "repeat": args.repeat,
         "steps": {}, "runs": {}, "load_s": {}}
-    bandwidth = read_bandwidth(args.bandwidth_mb, device=device)
+    bandwidth = await run_in_own_thread(functools.partial(read_bandwidth, args.bandwidth_mb,
+                                                          device=device))
     out["read_bandwidth_gb_s"] = bandwidth / 1e9
     print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({device}, {args.threads} threads)",
           file=sys.stderr, flush=True)
+    # a dtype with "+compile" (int4+compile) is that dtype with the decode step compiled
     setups: list[tuple[str, Any, SchedulerConfig, int]] = [
-        (f"rtts-{d}", replace(ecfg, dtype=d), SchedulerConfig(
+        (f"rtts-{d}", replace(ecfg, dtype=d.removesuffix("+compile"),
+                              compile=d.endswith("+compile")), SchedulerConfig(
             max_batch_size=slots, request_timeout_s=3600), slots) for d in dtypes]
     if args.stock_max_streams > 0:
         setups.append(("stock", ecfg, SchedulerConfig(
@@ -342,18 +347,19 @@ async def bench_realtime(args: argparse.Namespace) -> dict[str, Any]:
         for name, cfg, sched, _ in setups:
             t0 = time.perf_counter()
             engine = (StockChatTTSEngine if name == "stock" else ChatTTSEngine)(cfg)
-            await asyncio.to_thread(engine.load)
-            await asyncio.to_thread(engine.warmup)
+            # threads that end with each call, as `rtts serve` does (rtts.engines.threads)
+            await run_in_own_thread(engine.load)
+            await run_in_own_thread(engine.warmup)
             out["load_s"][name] = time.perf_counter() - t0
             if name != "stock":
-                rep = await asyncio.to_thread(step_report, engine, step_rows, args.steps,
+                rep = await run_in_own_thread(step_report, engine, step_rows, args.steps,
                                               args.bandwidth_mb)
                 out["read_bandwidth_gb_s"] = max(out["read_bandwidth_gb_s"],
                                                  rep["read_bandwidth_gb_s"])
                 rep["dtype"] = engine.config.dtype
                 out["steps"][name] = rep
                 if args.anchor == "both":
-                    cost = {r: await asyncio.to_thread(anchor_cost, engine, r, args.steps,
+                    cost = {r: await run_in_own_thread(anchor_cost, engine, r, args.steps,
                                                        args.anchor_sample_s)
                             for r in step_rows}
                     out.setdefault("anchor_cost", {})[name] = cost
@@ -414,7 +420,8 @@ def add_parser(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", type=Path, required=True,
                    help="checkpoint (e.g. from `rtts model make-random --size full`)")
     p.add_argument("--streams", default="1,2,4", help="stream counts (comma-separated)")
-    p.add_argument("--dtypes", default="fp32", help="rtts settings: --dtype values")
+    p.add_argument("--dtypes", default="fp32", help="rtts settings: --dtype values, each "
+                   "optionally with +compile (int4+compile: --dtype int4 --compile)")
     p.add_argument("--tokens", type=int, default=120, help="GPT steps per segment")
     p.add_argument("--prebuffer", type=float, default=0.3,
                    help="seconds a player buffers after its first audio before playing")

@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=EngineConfig.dtype, help="GPT weight precision (auto: fp32 or "
                    "bf16, whichever measures faster at load; int8, int4: weight-only, "
                    "see docs/benchmarks/cpu-realtime.md for accuracy)")
+    s.add_argument("--compile", action="store_true", default=EngineConfig.compile,
+                   help="ChatTTS: the GPT decode step through torch.compile (faster on a "
+                        "small CPU; 1-2 minutes more to start)")
     s.add_argument("--kernels", default=EngineConfig.kernels,
                    choices=["auto", "linear", "transposed", "bf16", "int8", "int8bf", "int4",
                             "int8dyn"],
@@ -317,7 +320,7 @@ SERVE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("network", ("host", "port", "wyoming_port", "wyoming_host", "trusted_proxy", "web_dir",
                  "instance_id")),
     ("model and engines", ("engine", "voice_model", "piper_workers", "source", "model_dir",
-                           "device", "threads", "max_new_token", "dtype", "kernels",
+                           "device", "threads", "max_new_token", "dtype", "compile", "kernels",
                            "stream_tokens", "decode_tokens", "voices_dir", "fake_rtf")),
     ("batching", ("max_batch_size", "batching", "first_segment_slots", "later_hold",
                   "degraded_slots", "max_wait_ms", "concurrency")),
@@ -412,6 +415,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             device=args.device, threads=args.threads, max_new_token=args.max_new_token,
             stream_tokens=args.stream_tokens, decode_tokens=args.decode_tokens,
             fake_rtf=args.fake_rtf, dtype=args.dtype, kernels=args.kernels,
+            compile=args.compile,
             batch_rows=args.max_batch_size,
             voice_models=tuple(args.voice_model), piper_workers=args.piper_workers,
         ),

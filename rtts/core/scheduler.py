@@ -58,6 +58,7 @@ import numpy as np
 import numpy.typing as npt
 
 from rtts.engines.base import ContinuousEngine, Engine, SynthRequest
+from rtts.engines.threads import start_in_own_thread
 from rtts.errors import EngineError, EngineTimeout, ErrorCode, Overloaded
 
 __all__ = ["BACKGROUND", "Preempted", "RequestStream", "Scheduler", "SchedulerConfig"]
@@ -463,7 +464,10 @@ class Scheduler:
         self.running_batches += 1
         self.batch_sizes[len(first)] += 1
         started = time.monotonic()
-        future = loop.run_in_executor(self._executor, self._serve_in_thread, loop, run)
+        # a thread of its own that ends with the batch (rtts.engines.threads: a torch
+        # thread that outlives its work slows every later step)
+        future = start_in_own_thread(self._serve_in_thread, loop, run,
+                                     name=f"rtts-{self.engine.name}")
         try:
             while not future.done():
                 await asyncio.wait({future}, timeout=0.25)

@@ -41,6 +41,7 @@ from rtts.core.usage import Usage, UsageFlusher
 from rtts.core.voices import Voice, VoiceStore
 from rtts.engines import build_engines
 from rtts.engines.base import Engine, SampleEngine, SynthRequest
+from rtts.engines.threads import run_in_own_thread
 from rtts.errors import ErrorCode, ProtocolError, RttsError
 
 __all__ = ["MAX_CLIP_BYTES", "SegmentRecorder", "Service", "Source", "Stats"]
@@ -188,11 +189,13 @@ class Service:
         """Load and warm up the engine off the event loop; /readyz turns 200 after this."""
         t0 = time.monotonic()
         try:
+            # in threads that end with the call (rtts.engines.threads: a thread that stays
+            # alive after torch work slows every later decode step)
             for engine in self.engines.values():
-                await asyncio.to_thread(engine.load)
+                await run_in_own_thread(engine.load, name="rtts-load")
             self.state_reason = "warming up"
             for engine in self.engines.values():
-                await asyncio.to_thread(engine.warmup)
+                await run_in_own_thread(engine.warmup, name="rtts-warmup")
             if self.config.freeze_gc:
                 # Everything alive now (modules, the model) lives as long as the process:
                 # take it out of the collector's sight, before the first client, so full
@@ -420,7 +423,8 @@ class Service:
                     max_seconds=MAX_SAMPLE_SECONDS, max_bytes=MAX_CLIP_BYTES)
                 if audio.size < engine.sample_rate // 2:
                     raise ClipError("the clip is shorter than 0.5 s")
-                return await asyncio.to_thread(engine.encode_sample, audio, transcript)
+                return await run_in_own_thread(engine.encode_sample, audio, transcript,
+                                               name="rtts-encode")
             except ValueError as exc:  # ClipError, or the engine's refusal
                 raise VoiceError(f"audio: {exc}", param="audio") from None
 

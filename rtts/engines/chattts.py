@@ -50,7 +50,14 @@ from rtts.core.params import (
 from rtts.core.speaker import decode_speaker
 from rtts.engines import kernels
 from rtts.engines.base import EngineInfo, EngineOutput, SynthRequest, fixed_batch
-from rtts.engines.gpt_loop import BatchedGpt, GptRow, RowSpec, ThreadTuner, fuse_projections
+from rtts.engines.gpt_loop import (
+    BatchedGpt,
+    CompiledDecode,
+    GptRow,
+    RowSpec,
+    ThreadTuner,
+    fuse_projections,
+)
 
 __all__ = ["ChatTTSEngine", "StockChatTTSEngine", "check_torchaudio", "configure_threads_env",
            "realtime_capacity"]
@@ -127,6 +134,7 @@ class ChatTTSEngine:
         self.kernel_table: kernels.KernelTable | None = None
         # torch's thread count, chosen from the steps as they run (gpt_loop.ThreadTuner)
         self.thread_tuner: ThreadTuner | None = None
+        self.compiled: CompiledDecode | None = None  # --compile: the decode step compiled
         self.decode_s_per_audio_s = 0.0  # moving average over the decodes as they run
         self.decode_dtype = "fp32"  # the decoder's precision (_choose_decode_dtype)
         self.decode_ms: dict[str, float] = {}  # decode dtype -> ms of the load-time probe
@@ -217,7 +225,11 @@ class ChatTTSEngine:
         if self.select_kernels and self.device == "cpu" and cfg.dtype in BF16_DECODE_DTYPES:
             self._choose_decode_dtype()
         threads = torch.get_num_threads()
-        if self.device == "cpu" and threads > 1:
+        if cfg.compile and self.select_kernels:
+            self.compiled = CompiledDecode()
+        elif self.device == "cpu" and threads > 1:
+            # (not with a compiled step: its generated loops keep the thread count they
+            # were compiled with, so the tuner's switches would only reach the linears)
             self.thread_tuner = ThreadTuner([threads, 1], torch.set_num_threads)
 
     def _choose_decode_dtype(self) -> None:
@@ -279,7 +291,7 @@ class ChatTTSEngine:
             logger.info("loading %s ChatTTS weights from %s (%s) on %s ...", found.kind,
                         path, found.source, self.device)
             if chat.load(source="custom", custom_path=str(path),
-                         device=torch.device(self.device), compile=cfg.compile):
+                         device=torch.device(self.device), compile=False):
                 logger.info("weights loaded in %.1fs", time.monotonic() - t0)
                 return chat, found
             reasons.append(f"{path}: assets missing or sha256 check failed")
@@ -291,7 +303,16 @@ class ChatTTSEngine:
                            ["no source left"]))
 
     def warmup(self) -> None:
-        """One short generation: numba JIT, allocator and kernel warm-up."""
+        """One short generation: numba JIT, allocator and kernel warm-up; with
+        ``compile``, the decode step compiled first (gpt_loop.CompiledDecode)."""
+        if self.compiled is not None and not self.compiled.ready:
+            logger.info("compiling the GPT decode step (torch.compile, 1 and 2+ rows; "
+                        "about a minute each on 2 cores) ...")
+            took = self.compiled.compile(
+                self.batch, lambda n: self._specs([SynthRequest(
+                    f"warm up {i}.", SynthParams(seed=i), max_new_token=16)
+                    for i in range(n)]), slots=self.config.batch_rows)
+            logger.info("decode step compiled in %.0f s", took)
         logger.info("warming up (one short generation: JIT, allocator, kernels) ...")
         for _ in self.generate([SynthRequest("warm up, 你好。", SynthParams(),
                                              max_new_token=2 * self.config.stream_tokens)]):
@@ -484,7 +505,7 @@ class ChatTTSEngine:
         kv = None if table is None else getattr(torch, kernels.KV_DTYPES[table.kv_dtype])
         return BatchedGpt(chat.gpt, chat.config.gpt.num_vq,
                           eos_token=chat.config.gpt.num_audio_tokens - 1, slots=slots,
-                          kv_dtype=kv)
+                          kv_dtype=kv, decode=self.compiled)
 
     def generate(self, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:
         """A fixed batch: every row starts together, nobody joins (static batching)."""

@@ -45,7 +45,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BatchedGpt", "GptRow", "RowSpec", "ThreadTuner", "fuse_projections"]
+__all__ = ["BatchedGpt", "CompiledDecode", "GptRow", "RowSpec", "ThreadTuner",
+           "fuse_projections"]
 
 MIN_TOKENS_TO_KEEP = 3  # ChatTTS's gen_logits: top-P and top-K keep at least 3 codes
 PENALTY_WINDOW = 16  # ChatTTS's repetition penalty looks at the last 16 codes
@@ -190,7 +191,8 @@ class BatchedGpt:
     """
 
     def __init__(self, gpt: Any, num_vq: int, eos_token: int, slots: int,
-                 penalty: float = 1.05, columns: int = 256, kv_dtype: Any = None) -> None:
+                 penalty: float = 1.05, columns: int = 256, kv_dtype: Any = None,
+                 decode: CompiledDecode | None = None) -> None:
         import torch
 
         self.gpt = gpt  # ChatTTS.model.GPT (loaded)
@@ -220,6 +222,8 @@ class BatchedGpt:
                                        and hasattr(layer.mlp, "rtts_gate_up")
                                        for layer in self.layers)
         self._heads, self._embs = _fused_heads(gpt, num_vq)
+        # the decode step's layer loop through torch.compile (CompiledDecode), lean only
+        self.decode = decode if self.lean else None
         self._row_params: tuple[tuple[GptRow, ...], Any] = ((), None)
         self.rows: list[GptRow] = []  # live rows, in slot order (row k is in slot k)
         self.t = 0  # next column every live row writes
@@ -302,7 +306,11 @@ class BatchedGpt:
         h = x.to(self.device, self.dtype)
         cos_sin = self.model.rotary_emb(h, position_ids=pos)
         if self.lean:
-            return self.model.norm(self._lean_layers(h, cos_sin, mask, rows, write, read))
+            if self.decode is not None and h.shape[1] == 1:
+                h = self.decode(self, h, cos_sin, mask, rows, write, read)
+            else:
+                h = self._lean_layers(h, cos_sin, mask, rows, write, read)
+            return self.model.norm(h)
         for layer in self.layers:
             h = layer(h, attention_mask=mask, position_ids=pos, cache=self.cache,
                       position_embeddings=cos_sin)
@@ -319,10 +327,12 @@ class BatchedGpt:
         n, q, hidden = h.shape
         heads, d = self._kv_shape[1], self._kv_shape[2]
         half, end = d // 2, write + q
-        threads = torch.get_num_threads()
+        compiling = torch.compiler.is_compiling()
+        threads = 1 if compiling else torch.get_num_threads()
         # A decode step's attention is small ((rows x heads) dot products over the
         # columns): measured on a 2-core Xeon, SDPA with the slot mask took 18-890 us on one
         # thread and 70-2900 us on two (1-4 rows, 60-300 columns); prefill keeps them all.
+        # (not inside torch.compile: a thread switch is not an op it can trace)
         solo = q == 1 and threads > 1 and self.solo_attention
         kv = self.kv_dtype
         cast = kv != h.dtype
@@ -574,6 +584,65 @@ class BatchedGpt:
         for r in self.rows:
             r.next_pos += 1
         self._after_draw(self.rows, h, self._sample(self.rows, h))
+
+
+class CompiledDecode:
+    """The decode step's layer loop (:meth:`BatchedGpt._lean_layers` at one new token per
+    row) through ``torch.compile`` (inductor): the norms, rotary embedding, residual adds,
+    SiLU gating and casts of 20 layers become a few generated C++ loops instead of ~1,000
+    eager ops, each of which costs 5-20 us of dispatch on a small CPU (the linear kernels
+    stay the ones :mod:`rtts.engines.kernels` installed, called from the compiled code).
+
+    One instance per loaded model, shared by its batches. Shapes are dynamic (rows and
+    columns vary every step), so it compiles twice: once for 1 row (torch specializes
+    size-1 dimensions) and once for 2 or more. :meth:`compile` does both at warm-up (about
+    a minute each on 2 cores; inductor's on-disk cache makes a restart faster). After
+    that, a step that would need another compile (an unforeseen shape or guard) runs eager
+    instead of stalling every stream for a minute (``torch.compiler.set_stance``'s
+    ``eager_on_recompile``).
+    """
+
+    def __init__(self) -> None:
+        import torch
+
+        # No guards on the modules: the layers, norms and linear kernels a batch
+        # reads never change after load, and checking them all costs ~1 ms a step here.
+        self._fn = torch.compile(BatchedGpt._lean_layers, dynamic=True, options={
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        self.ready = False
+        self.compile_s = 0.0
+
+    def __call__(self, gpt: BatchedGpt, h: Any, cos_sin: tuple[Any, Any], mask: Any,
+                 rows: slice, write: int, read: int) -> Any:
+        import torch
+
+        if not self.ready:
+            return self._fn(gpt, h, cos_sin, mask, rows, write, read)
+        with torch.compiler.set_stance("eager_on_recompile"):
+            return self._fn(gpt, h, cos_sin, mask, rows, write, read)
+
+    def compile(self, make: Callable[[int], BatchedGpt], prompt: Callable[[int], list[RowSpec]],
+                slots: int, steps: int = 3) -> float:
+        """Compile for 1 row and for 2 rows: ``make(slots)`` gives an empty batch using
+        this instance (``slots`` as the batches that will serve: a batch of another size
+        whose size is 1 would not match), ``prompt(n)`` n row specs. Returns the seconds
+        it took."""
+        import time
+
+        import torch
+
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for n in (1, 2):
+                gpt = make(max(n, slots))
+                gpt.add(prompt(n))
+                for _ in range(steps):
+                    gpt.step()
+                gpt.cancel(lambda r: True)
+                gpt.evict_done()
+        self.ready = True
+        self.compile_s = time.perf_counter() - t0
+        return self.compile_s
 
 
 class ThreadTuner:

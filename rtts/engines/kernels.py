@@ -289,9 +289,21 @@ def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "c
 
 def _patch(module: Any, w: _Weights, by_rows: dict[int, Callable[[_Weights, Any], Any]],
            prefill: Callable[[_Weights, Any], Any]) -> None:
+    # Where every row count from 2 up chose one path (the usual case), the choice needs
+    # no look-up by the exact count: a compiled decode step (gpt_loop.CompiledDecode)
+    # then serves every row count with one graph instead of one per count.
+    most = max(by_rows, default=0)
+    multi = by_rows.get(2)
+    if multi is None or any(by_rows[r] is not multi for r in by_rows if r >= 2):
+        multi = None
+    one = by_rows.get(1, prefill)
+
     def forward(self: Any, x: Any) -> Any:
         rows = x.numel() // x.shape[-1]
-        fn = by_rows.get(rows, prefill)
+        if multi is not None and rows <= most:
+            fn = one if rows == 1 else multi
+        else:
+            fn = by_rows.get(rows, prefill)
         y = fn(w, x.reshape(rows, x.shape[-1]).float())
         return y.reshape(*x.shape[:-1], y.shape[-1])
 

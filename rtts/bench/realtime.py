@@ -307,7 +307,10 @@ async def bench_realtime(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     counts = sorted({int(n) for n in args.streams.split(",")})
     dtypes = [d for d in args.dtypes.split(",") if d]
-    slots = max(counts)
+    # the batch `rtts serve` has (8 slots, 3 of them kept for first segments), or more
+    # for more streams: with as many slots as streams, the reserve would leave one
+    # stream's next segment waiting for a slot whenever every stream is speaking
+    slots = max(max(counts), SchedulerConfig.max_batch_size)
     # as `rtts serve` (pacing on, GIL switch interval), but no phrase cache: every run
     # synthesizes the same text again; and N streams always run together: the governor
     # does not hold the batch at the measured capacity (streams beyond it would wait,
@@ -385,23 +388,27 @@ async def bench_realtime(args: argparse.Namespace) -> dict[str, Any]:
         variants = modes[args.anchor]
         runs = [(name + suffix, name, anchor, most) for name, _, _, most in setups
                 for suffix, anchor in (variants if name != "stock" else [("", None)])]
-        for n in counts:
-            for rep_i in range(args.repeat):
-                for label, name, anchor, most in runs:
-                    if n > most:
-                        continue
-                    t0 = time.perf_counter()
-                    results = await asyncio.gather(*(
-                        listen(urls[name], args.text, i, args.prebuffer, anchor)
-                        for i in range(n)))
-                    row = summarize(results, time.perf_counter() - t0, args.silence_tolerance)
-                    out["runs"].setdefault(f"{label}@{n}", []).append(row)
-                    print(f"{label:>10} streams={n} run {rep_i + 1}: TTFA median "
-                          f"{row['ttfa_median_s']:.2f}s, audio {row['audio_s']:.1f}s, "
-                          f"silence {row['silence_s']:.2f}s "
-                          f"({row['silence_per_audio_s']:.2f}/s of audio), next-segment gap "
-                          f"max {row['next_segment_gap_max_s']:.2f}s",
-                          file=sys.stderr, flush=True)
+        # Stock ChatTTS runs after every rtts run: its static batches run on the
+        # scheduler's long-lived executor thread, and that thread's OpenMP team would slow
+        # every rtts run after it (rtts.engines.threads), which no `rtts serve` has.
+        ordered = [(n, rep_i, run) for last in (False, True) for n in counts
+                   for rep_i in range(args.repeat) for run in runs
+                   if (run[1] == "stock") == last]
+        for n, rep_i, (label, name, anchor, most) in ordered:
+            if n > most:
+                continue
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(
+                listen(urls[name], args.text, i, args.prebuffer, anchor)
+                for i in range(n)))
+            row = summarize(results, time.perf_counter() - t0, args.silence_tolerance)
+            out["runs"].setdefault(f"{label}@{n}", []).append(row)
+            print(f"{label:>10} streams={n} run {rep_i + 1}: TTFA median "
+                  f"{row['ttfa_median_s']:.2f}s, audio {row['audio_s']:.1f}s, "
+                  f"silence {row['silence_s']:.2f}s "
+                  f"({row['silence_per_audio_s']:.2f}/s of audio), next-segment gap "
+                  f"max {row['next_segment_gap_max_s']:.2f}s",
+                  file=sys.stderr, flush=True)
     out["summary"] = {key: {k: statistics.median(r[k] for r in rows) for k in (
         "ttfa_median_s", "ttfa_max_s", "audio_s", "silence_s", "silence_per_audio_s",
         "wall_s", "next_segment_gap_median_s", "next_segment_gap_max_s")}

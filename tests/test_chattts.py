@@ -486,7 +486,8 @@ def test_compiled_decode_step_matches_eager_and_never_recompiles_while_serving(
     eng.load()
     eng.warmup()
     assert eng.compiled is not None and eng.compiled.ready and eng.compiled.compile_s > 0
-    assert eng.thread_tuner is None  # compiled loops keep their thread count
+    # compiled loops keep their thread count; the steps are still timed (capacity)
+    assert eng.thread_tuner is not None and eng.thread_tuner.choices == [2]
     graphs = counters["stats"]["unique_graphs"]
     n = 16
     ref = _reference(eng, TEXTS[0], n).hiddens[0]
@@ -511,3 +512,8 @@ def test_compiled_decode_step_matches_eager_and_never_recompiles_while_serving(
     _finish(gpt, more)
     assert all(r.length == n for r in more)
     assert counters["stats"]["unique_graphs"] == graphs, "a step compiled again"
+    # served through the engine, the steps are timed: the capacity is measured
+    reqs = [SynthRequest("Hello there, how are you?", SynthParams(seed=1), max_new_token=24)]
+    assert sum(len(c) for c in run(eng, reqs).values()) > 0
+    assert eng.info.kernels is not None and "realtime_streams" in eng.info.kernels
+    assert eng.info.kernels["threads"] == 2

@@ -227,10 +227,12 @@ class ChatTTSEngine:
         threads = torch.get_num_threads()
         if cfg.compile and self.select_kernels:
             self.compiled = CompiledDecode()
-        elif self.device == "cpu" and threads > 1:
-            # (not with a compiled step: its generated loops keep the thread count they
-            # were compiled with, so the tuner's switches would only reach the linears)
-            self.thread_tuner = ThreadTuner([threads, 1], torch.set_num_threads)
+        if self.device == "cpu":
+            # With a compiled step, one count only: its generated loops keep the thread
+            # count they were compiled with, so switches would reach only the linears. The
+            # tuner still times the steps (the measured capacity in /v1/info and /metrics).
+            choices = [threads] if self.compiled is not None or threads <= 1 else [threads, 1]
+            self.thread_tuner = ThreadTuner(choices, torch.set_num_threads)
 
     def _choose_decode_dtype(self) -> None:
         """The decoder (DVAE decoder and vocos) under bf16 autocast where that measures

@@ -14,8 +14,9 @@ requests wait in a bounded intake list. A dispatcher task takes a device slot (a
 ``asyncio.Semaphore`` of ``concurrency`` permits), waits up to ``max_wait_ms`` for
 more requests (unless the batch is already full), then picks the head request -- a
 stream's first segment before anything else, then oldest first -- plus every waiting
-request with the same :meth:`Engine.batch_key`, up to ``max_batch_size``. The batch
-runs on the device's own thread pool; each output chunk is handed to the request's
+request with the same :meth:`Engine.batch_key`, up to ``max_batch_size``. A static batch
+runs on the device's own thread pool, a continuous batch in a thread started for it that
+ends with it (:mod:`rtts.engines.threads`); each output chunk is handed to the request's
 :class:`RequestStream` mailbox on the event loop thread.
 
 If the engine raises, rows that already produced audio fail with :class:`EngineError`;
@@ -185,6 +186,7 @@ class Scheduler:
         self._qlock = threading.Lock()  # the queue is also read by a continuous batch's thread
         self._arrived = asyncio.Event()
         self._slots = asyncio.Semaphore(self.config.concurrency)
+        # static batches (a continuous batch runs in a thread of its own)
         self._executor = ThreadPoolExecutor(
             max_workers=self.config.concurrency, thread_name_prefix=f"rtts-{engine.name}"
         )
@@ -456,7 +458,7 @@ class Scheduler:
             self._arrived.set()
 
     async def _run_continuous(self, first: list[RequestStream]) -> None:
-        """One continuous batch: runs on the device thread until no row is left and no
+        """One continuous batch: runs in a thread of its own until no row is left and no
         request waits; requests join it between steps (see the module docstring)."""
         loop = asyncio.get_running_loop()
         run = _Run(first)

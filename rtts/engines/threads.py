@@ -1,4 +1,4 @@
-"""Where an engine's torch work runs: one long-lived device thread, and short-lived ones.
+"""Where an engine's torch work runs: in threads that end with their work.
 
 torch's CPU kernels run their parallel regions on OpenMP (GNU libgomp in the PyPI
 wheels). libgomp gives every thread that opens a parallel region a team of its own, whose
@@ -13,11 +13,13 @@ thread has ended, 7.1 and 11.8 ms again (its team goes with it).
 
 ``asyncio.to_thread`` runs on the loop's default executor, whose threads stay alive. So
 one-off torch work (loading a model, warming it up, encoding a voice sample) runs through
-:func:`run_in_own_thread`: a thread started for the call that ends with it. The serving
-itself runs on the scheduler's device thread (one per ``--concurrency``), the only
-thread that keeps a team. A continuous batch runs in a thread started for it
-(:func:`start_in_own_thread`), so an idle server keeps none, and benchmarks that serve
-several settings one after another never have two.
+:func:`run_in_own_thread`: a thread started for the call that ends with it. Each
+continuous batch runs in a thread started for it (:func:`start_in_own_thread`), so a
+serving process keeps one team per running batch (one at the default ``--concurrency``)
+and an idle one keeps none, and benchmarks that serve several settings one after another
+never have two. Static batches (``--batching static``, engines without continuous
+batching) still run on the scheduler's long-lived executor threads: alone in a process
+that is one team, as before.
 """
 
 from __future__ import annotations

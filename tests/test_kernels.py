@@ -19,7 +19,8 @@ def _model(seed: int = 0):
 def test_selection_measures_every_candidate_and_records_the_fastest(dtype):
     model, ref = _model(), _model()
     table = kernels.install(model, dtype, max_rows=4, repeat=1)
-    candidates = kernels._CANDIDATES[dtype]
+    candidates = tuple(p for p in kernels._CANDIDATES[dtype]
+                       if p != "bf16p" or kernels.bf16p_available())
     assert set(table.ms) == set(candidates)
     assert sorted(table.chosen) == [1, 2, 3, 4, kernels.PREFILL_ROWS]
     for rows, path in table.chosen.items():
@@ -35,7 +36,7 @@ def test_selection_measures_every_candidate_and_records_the_fastest(dtype):
             assert got.shape == want.shape and got.dtype == torch.float32
             want_cos = {"fp32": 0.99999, "int4": 0.99}.get(dtype, 0.999)
             path = table.chosen.get(rows, table.chosen[kernels.PREFILL_ROWS])
-            if dtype == "auto" and path != "bf16":
+            if dtype == "auto" and path not in ("bf16", "bf16p"):
                 want_cos = 0.99999
             assert cos > want_cos, (dtype, rows, float(cos))
 
@@ -50,6 +51,47 @@ def test_forced_path_is_installed_for_every_row_count_and_frees_fp32_weights():
     x = torch.randn(2, 256)
     with torch.no_grad():
         assert torch.allclose(model(x), ref(x), atol=0.05)
+
+
+needs_bf16p = pytest.mark.skipif(not kernels.bf16p_available(),
+                                 reason="no oneDNN bf16 kernels on this CPU/build")
+
+
+@needs_bf16p
+def test_prepacked_bf16_computes_what_bf16_linear_does_eager_and_compiled():
+    model, ref = _model(), _model()
+    kernels.install(model, "bf16", max_rows=2, force="bf16p")
+    w = model[0].rtts_weights
+    assert w.bf16p is not None and w.bf16p.is_mkldnn and w.bf16 is None and w.fp32 is None
+    ref.to(torch.bfloat16)
+    compiled = torch.compile(model, dynamic=True)
+    with torch.no_grad():
+        for rows in (1, 3):
+            x = torch.randn(rows, 256)
+            want = ref(x.to(torch.bfloat16)).float()
+            got = model(x)
+            assert got.dtype == torch.float32
+            assert torch.allclose(got, want, atol=0.02, rtol=0.02)
+            # a compiled graph calls the opaque rtts::bf16p_linear op (inductor lowers
+            # mkldnn's own op only for weights it packed itself)
+            assert torch.allclose(compiled(x), got, atol=1e-3, rtol=1e-3)
+
+
+def test_uniform_choice_keeps_one_path_from_two_rows_up(monkeypatch):
+    # int8bf fastest at 2 rows, linear at 3 and 4: uniform keeps the least summed time
+    fake = {"int8bf": {1: 1.0, 2: 1.0, 3: 5.0, 4: 5.0, kernels.PREFILL_ROWS: 9.0},
+            "linear": {1: 2.0, 2: 2.0, 3: 2.0, 4: 2.0, kernels.PREFILL_ROWS: 3.0}}
+    monkeypatch.setitem(kernels._CANDIDATES, "int8", ("int8bf", "linear"))
+
+    def timed(weights, fn, rows, shapes, repeat):
+        return fake[fn.__name__][rows]
+
+    monkeypatch.setattr(kernels, "_time_path", timed)
+    free = kernels.install(_model(), "int8", max_rows=4)
+    assert [free.chosen[r] for r in (1, 2, 3, 4)] == ["int8bf", "int8bf", "linear", "linear"]
+    one = kernels.install(_model(), "int8", max_rows=4, uniform=True)
+    assert [one.chosen[r] for r in (1, 2, 3, 4)] == ["int8bf", "linear", "linear", "linear"]
+    assert one.chosen[kernels.PREFILL_ROWS] == "linear"
 
 
 def test_batched_input_shapes_are_kept():
@@ -71,6 +113,8 @@ def test_table_counts_the_weight_bytes_each_path_reads():
     assert table.bytes["linear"] == 4 * n
     assert table.bytes["int8bf"] == n + 2 * (512 + 256)  # int8 weights, bf16 scales
     assert table.bytes["int4"] == n // 2 + 4 * (512 * 256 // 32 + 256 * 512 // 32)
+    if kernels.bf16p_available():
+        assert table.bytes["bf16p"] == 2 * n
 
 
 def test_int4_refuses_shapes_its_kernel_cannot_pack():

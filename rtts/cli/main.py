@@ -111,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ChatTTS: the GPT decode step through torch.compile (faster on a "
                         "small CPU; 1-2 minutes more to start)")
     s.add_argument("--kernels", default=EngineConfig.kernels,
-                   choices=["auto", "linear", "transposed", "bf16", "int8", "int8bf", "int4",
-                            "int8dyn"],
+                   choices=["auto", "linear", "transposed", "bf16", "bf16p", "int8", "int8bf",
+                            "int4", "int8dyn"],
                    help="GPT linear kernel: auto measures each path at load and keeps "
                         "the fastest per batch size")
     s.add_argument("--stream-tokens", type=int, default=EngineConfig.stream_tokens,

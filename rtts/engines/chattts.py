@@ -191,7 +191,7 @@ class ChatTTSEngine:
             self.kernel_table = kernels.install(
                 chat.gpt.gpt, cfg.dtype, max_rows=cfg.batch_rows,
                 device="cpu" if self.device == "cpu" else "cuda",
-                force=None if cfg.kernels == "auto" else cfg.kernels)
+                force=None if cfg.kernels == "auto" else cfg.kernels, uniform=cfg.compile)
             g = chat.gpt.gpt.config
             head_dim = getattr(g, "head_dim", None) or g.hidden_size // g.num_attention_heads
             exact = cfg.dtype == "fp32" or cfg.kernels in ("linear", "transposed")

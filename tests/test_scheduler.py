@@ -285,3 +285,29 @@ async def test_continuous_engine_failing_before_its_first_step_fails_the_batch()
     with pytest.raises(EngineError):
         await asyncio.wait_for(collect(stream), 5)  # an error, not a hang
     await sched.stop()
+
+
+async def test_continuous_lookahead_stays_within_the_measured_realtime_capacity():
+    """Once the engine has measured how many rows stay real time, a stream's next segment
+    does not join beside its own running row when the batch already holds that many rows
+    (each extra row would slow the segments being heard); a stream with no row running
+    still joins at once, and without a measured capacity lookahead joins as before."""
+    for cap, want_joined in ((2, False), (None, True)):
+        engine = FakeEngine(ms_per_char=20, rtf=1.0, continuous=True)
+        sched = await started(engine, max_batch_size=8, max_wait_ms=10, later_hold_s=0)
+        sched.realtime_slots = cap
+        heard = [sched.submit(SynthRequest("h" * 40, SynthParams(), priority=0, stream=s))
+                 for s in (1, 2)]
+        await asyncio.sleep(0.2)  # both play; now their next segments arrive
+        ahead = [sched.submit(SynthRequest("a" * 5, SynthParams(), priority=1, stream=s))
+                 for s in (1, 2)]
+        other = sched.submit(SynthRequest("o" * 5, SynthParams(), priority=1, stream=3))
+        await asyncio.sleep(0.2)
+        joined = [s.admitted_at is not None for s in ahead]
+        assert joined == [want_joined, want_joined], cap
+        assert other.admitted_at is not None  # stream 3 has no row: it joins either way
+        await asyncio.gather(*(collect(s) for s in [*heard, *ahead, other]))
+        # capped: the two next segments ran only once their streams' rows had ended
+        assert max(engine.batches) == (3 if cap else 5), engine.batches
+        assert all(s.admitted_at is not None for s in ahead)
+        await sched.stop()

@@ -98,6 +98,12 @@ class SchedulerConfig:
     # Background (job) rows a batch keeps while it has live rows or a live request waits;
     # the rest give their slots back (each row makes a step slower); None = 1/4 of the slots.
     background_rows_with_live: int | None = None
+    # Lookahead within the measured real-time capacity: once the engine has measured how
+    # many rows stay real time (``realtime_slots``), a stream's next segment joins a batch
+    # that already runs a row of that stream only while the batch holds fewer rows.
+    # Beyond it every extra row slows the segments being heard below real time (ChatTTS
+    # int4 on 2 cores: 15.8 ms a step at 4 rows, 36 at 8; real time needs <= 21.3).
+    lookahead_within_capacity: bool = True
 
 
 class RequestStream:
@@ -334,13 +340,16 @@ class Scheduler:
         return max(0, self.config.max_batch_size // 4 if n is None else n)
 
     def _pick(self, n: int, warming: bool = False,
-              background_room: int | None = None) -> list[RequestStream]:
+              background_room: int | None = None,
+              running: Sequence[RequestStream] = ()) -> list[RequestStream]:
         """Take up to ``n`` waiting requests for a continuous batch (any thread) with
         ``n`` free slots: a stream's first segment first, then oldest first; solo retries
         are not taken. Later segments leave :attr:`reserve` slots free, and wait while a
         row of the batch (``warming``) or a first segment taken now has no audio yet --
         their prefill would delay that first audio -- unless they have waited
-        ``later_hold_s`` already."""
+        ``later_hold_s`` already. A later segment of a stream with a row among
+        ``running`` (the batch's rows) waits while the batch holds the measured real-time
+        capacity (``lookahead_within_capacity``)."""
         if n <= 0:
             return []
         now = time.monotonic()
@@ -356,6 +365,9 @@ class Scheduler:
                 playing.pop(stream, None)
 
         held = capped and len(playing) >= self.slot_limit  # every slot has its stream
+        cap = self.realtime_slots if self.config.lookahead_within_capacity else None
+        busy = {s.request.stream for s in running
+                if s.request.stream is not None and not s.finished}
 
         def key(s: RequestStream) -> tuple[Any, ...]:
             if not capped:
@@ -378,6 +390,9 @@ class Scheduler:
                         c.request.priority < BACKGROUND for c in chosen) or (
                         background_room is not None and background_room <= 0)):
                     break  # background: only slots nobody live wants, no prefill beside them
+                if later and cap and s.request.stream in busy \
+                        and len(running) + len(chosen) >= cap:
+                    continue  # lookahead beyond real time: the heard rows come first
                 if s.request.priority >= BACKGROUND and background_room is not None:
                     background_room -= 1
                 if later and not capped and (warming or any(c.request.priority == 0
@@ -566,7 +581,8 @@ class Scheduler:
                 warming = any(s.first_audio_at is None for s in rows)
                 background = sum(1 for s in rows if s.request.priority >= BACKGROUND)
                 room = self.background_cap - background if background < len(rows) else None
-                taken = self._pick(min(free, self.slot_limit - len(run.streams)), warming, room)
+                taken = self._pick(min(free, self.slot_limit - len(run.streams)), warming, room,
+                                   rows)
                 self.joined += len(taken)
             now = time.monotonic()
             for s in taken:

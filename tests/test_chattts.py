@@ -517,3 +517,22 @@ def test_compiled_decode_step_matches_eager_and_never_recompiles_while_serving(
     assert sum(len(c) for c in run(eng, reqs).values()) > 0
     assert eng.info.kernels is not None and "realtime_streams" in eng.info.kernels
     assert eng.info.kernels["threads"] == 2
+    # a second compiled model in the same process compiles graphs of its own: sharing the
+    # first one's (dynamo keeps graphs per code object, and module guards are skipped)
+    # ran the first model's weights and kernels for the second
+    for dtype in ("auto", "int4"):  # (as `rtts bench realtime --dtypes auto+compile,int4+compile`)
+        other = ChatTTSEngine(EngineConfig(source="custom", model_dir=tiny_checkpoint,
+                                           threads=2, stream_tokens=8, dtype=dtype,
+                                           batch_rows=4, compile=True))
+        other.load()
+        before = counters["stats"]["unique_graphs"]
+        other.warmup()
+        assert counters["stats"]["unique_graphs"] >= before + 2, dtype
+    want = _reference(other, TEXTS[0], n).hiddens[0]
+    gpt = other.batch(4)
+    assert gpt.decode is other.compiled
+    with torch.no_grad():
+        rows = gpt.add([_spec(other, TEXTS[0], n)])
+    _finish(gpt, rows)
+    cos = torch.nn.functional.cosine_similarity(want[:n], rows[0].hiddens[:n], dim=-1)
+    assert float(cos.min()) > 0.9999

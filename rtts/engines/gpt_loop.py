@@ -41,6 +41,7 @@ empty and no other row pays for a retry.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -607,7 +608,14 @@ class CompiledDecode:
 
         # No guards on the modules: the layers, norms and linear kernels a batch
         # reads never change after load, and checking them all costs ~1 ms a step here.
-        self._fn = torch.compile(BatchedGpt._lean_layers, dynamic=True, options={
+        # Without those guards, graphs must not be shared between models: dynamo keeps
+        # its graphs on the function's code object, so each instance compiles a copy of
+        # its own (two compiled models in one process, as in `rtts bench realtime`, ran
+        # the first model's graph, and kernels, for the second).
+        fn = BatchedGpt._lean_layers
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                                 fn.__defaults__, fn.__closure__)
+        self._fn = torch.compile(own, dynamic=True, options={
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.ready = False
         self.compile_s = 0.0

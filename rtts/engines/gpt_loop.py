@@ -631,17 +631,20 @@ class CompiledDecode:
 
     def compile(self, make: Callable[[int], BatchedGpt], prompt: Callable[[int], list[RowSpec]],
                 slots: int, steps: int = 3) -> float:
-        """Compile for 1 row and for 2 rows: ``make(slots)`` gives an empty batch using
-        this instance (``slots`` as the batches that will serve: a batch of another size
-        whose size is 1 would not match), ``prompt(n)`` n row specs. Returns the seconds
-        it took."""
+        """Compile for 1 row, 2 rows and ``slots`` rows: ``make(slots)`` gives an empty
+        batch using this instance (``slots`` as the batches that will serve: a batch of
+        another size whose size is 1 would not match), ``prompt(n)`` n row specs. Returns
+        the seconds it took."""
         import time
 
         import torch
 
         t0 = time.perf_counter()
         with torch.no_grad():
-            for n in (1, 2):
+            # and at every slot full: a graph from inductor's on-disk cache carries the
+            # row range it was first compiled for (2 <= rows <= 4 from a 4-slot batch), so
+            # an 8-slot batch at 5+ rows would have run eager; this compiles that range here
+            for n in sorted({1, 2, max(1, slots)}):
                 gpt = make(max(n, slots))
                 gpt.add(prompt(n))
                 for _ in range(steps):

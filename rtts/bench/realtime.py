@@ -345,11 +345,13 @@ async def bench_realtime(args: argparse.Namespace) -> dict[str, Any]:
         setups.append(("stock", ecfg, SchedulerConfig(
             max_batch_size=1, concurrency=1, request_timeout_s=3600), args.stock_max_streams))
     urls: dict[str, str] = {}
+    engines: dict[str, Any] = {}
     step_rows = sorted({1, args.rows})
     async with contextlib.AsyncExitStack() as stack:
         for name, cfg, sched, _ in setups:
             t0 = time.perf_counter()
             engine = (StockChatTTSEngine if name == "stock" else ChatTTSEngine)(cfg)
+            engines[name] = engine
             # threads that end with each call, as `rtts serve` does (rtts.engines.threads)
             await run_in_own_thread(engine.load)
             await run_in_own_thread(engine.warmup)
@@ -402,13 +404,21 @@ async def bench_realtime(args: argparse.Namespace) -> dict[str, Any]:
                 listen(urls[name], args.text, i, args.prebuffer, anchor)
                 for i in range(n)))
             row = summarize(results, time.perf_counter() - t0, args.silence_tolerance)
+            # the real-time capacity the server measured from its own steps so far (what
+            # /v1/info reports, and what holds lookahead rows back)
+            kern = engines[name].info.kernels or {}
+            row["server_capacity"] = kern.get("realtime_streams")
             out["runs"].setdefault(f"{label}@{n}", []).append(row)
             print(f"{label:>10} streams={n} run {rep_i + 1}: TTFA median "
                   f"{row['ttfa_median_s']:.2f}s, audio {row['audio_s']:.1f}s, "
                   f"silence {row['silence_s']:.2f}s "
                   f"({row['silence_per_audio_s']:.2f}/s of audio), next-segment gap "
-                  f"max {row['next_segment_gap_max_s']:.2f}s",
-                  file=sys.stderr, flush=True)
+                  f"max {row['next_segment_gap_max_s']:.2f}s; server-measured capacity "
+                  f"{row['server_capacity']}", file=sys.stderr, flush=True)
+    # the step times and decoding cost the servers measured while serving (ThreadTuner)
+    out["served"] = {name: {k: (e.info.kernels or {}).get(k) for k in (
+        "step_ms", "decode_s_per_audio_s", "realtime_streams")}
+        for name, e in engines.items() if name != "stock"}
     out["summary"] = {key: {k: statistics.median(r[k] for r in rows) for k in (
         "ttfa_median_s", "ttfa_max_s", "audio_s", "silence_s", "silence_per_audio_s",
         "wall_s", "next_segment_gap_median_s", "next_segment_gap_max_s")}

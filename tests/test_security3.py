@@ -390,14 +390,28 @@ def _jobs_cfg(redis_url: str, tmp_path: Path, **kw: Any) -> Any:
 
 
 async def test_a_job_with_a_million_chapter_marks_is_refused_at_once(
-        tmp_path: Path, redis_url: str):
+        tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch):
     """The probe: a 7.5 MiB body with 1,000,000 chapter marks and 25 characters of text was
     accepted (202) in 12.7 s, took RSS from 148 to 1,281 MB, and every status GET of the job
-    returned 132 MiB."""
+    returned 132 MiB. It is refused as it arrives now, never parsed (issue 31: parsing it
+    held the GIL for ~40 ms each time)."""
     from dataclasses import replace
+    from types import SimpleNamespace
+
+    import orjson
 
     from helpers import server
+    from rtts.api import jobs as jobs_api
     from rtts.server import bound_port
+
+    parsed: list[int] = []
+
+    def loads(raw: bytes) -> Any:
+        parsed.append(len(raw))
+        return orjson.loads(raw)
+
+    monkeypatch.setattr(jobs_api, "orjson", SimpleNamespace(
+        loads=loads, JSONDecodeError=orjson.JSONDecodeError))
 
     cfg = replace(_keyed_config(tmp_path), jobs=_jobs_cfg(redis_url, tmp_path))
     async with server(cfg) as (app, _):
@@ -407,6 +421,7 @@ async def test_a_job_with_a_million_chapter_marks_is_refused_at_once(
         t0 = time.perf_counter()
         status, err = await _http("POST", f"{base}/v1/jobs", body, H1)
         assert status == 400 and err["error"]["code"] == "too_many_chapters", err
+        assert parsed == []  # refused before it was whole, and never parsed
         marks = ",".join(map(str, range(1, 1002)))  # one over the limit, in the query
         status, err = await _http("POST", f"{base}/v1/jobs?format=pcm16&chapters={marks}",
                                   b"A short text of 25 chars.",
@@ -419,6 +434,100 @@ async def test_a_job_with_a_million_chapter_marks_is_refused_at_once(
         assert status == 202, st
         status, raw = await asyncio.to_thread(_get, f"{base}/v1/jobs/{st['id']}", H1)
         assert status == 200 and len(raw) < 256 * 1024
+
+
+def test_json_commas_counts_the_commas_outside_strings_however_the_body_is_cut():
+    from rtts.api.http.common import JsonCommas
+
+    doc = json.dumps({"text": 'a, "quoted", \\ back\\slash,\u00e9,', 'k,"': [1, 2, {"a": [3, 4]}],
+                      "e": "\\", "f": ",\"", "g": []}, ensure_ascii=False).encode()
+    expected = 4 + 2 + 1  # the top object's members, the list's items, the inner list's
+    for i in range(len(doc) + 1):
+        for j in range(i, len(doc) + 1):
+            commas = JsonCommas()
+            for piece in (doc[:i], doc[i:j], doc[j:]):
+                commas.feed(piece)
+            assert commas.commas == expected, (i, j)
+    bomb = json.dumps({"text": "A short text.", "chapters": list(range(1, 10_001))}).encode()
+    assert JsonCommas().feed(bomb) == 10_000
+
+
+def _request_of(pieces: list[bytes], stall: bool = False) -> Any:
+    from starlette.requests import Request
+
+    size = sum(map(len, pieces))
+
+    async def receive() -> dict[str, Any]:
+        if not pieces:
+            await asyncio.sleep(60)  # (stalled)
+        body = pieces.pop(0)
+        return {"type": "http.request", "body": body, "more_body": bool(pieces) or stall}
+
+    return Request({"type": "http", "method": "POST",
+                    "headers": [(b"content-length", str(size).encode())]}, receive)
+
+
+async def test_a_body_its_scan_refuses_is_read_to_its_end_and_dropped():
+    """``read_body``'s ``scan`` refuses a body as it arrives: what is left of it is read and
+    dropped (so the client, still sending, gets the error, not a reset connection), the
+    error is raised, nothing after the refusal is scanned or kept."""
+    from rtts.api.http.common import ApiError, read_body
+
+    def scan_refusing_at(n: int) -> Any:
+        seen: list[bytes] = []
+
+        def scan(piece: bytes) -> None:
+            seen.append(piece)
+            if len(seen) == n:
+                raise ApiError(400, "too many", code="too_many_chapters")
+        return scan, seen
+
+    pieces = [bytes([65 + i]) * 10 for i in range(5)]
+    scan, seen = scan_refusing_at(2)
+    with pytest.raises(ApiError) as err:
+        await read_body(_request_of(pieces), 100, 5.0, scan=scan)
+    assert err.value.code == "too_many_chapters" and "Connection" not in err.value.headers
+    assert pieces == [] and len(seen) == 2  # all read; the rest not scanned
+    # a body that stops coming after the refusal: the same error, and the connection closes
+    scan, seen = scan_refusing_at(1)
+    with pytest.raises(ApiError) as err:
+        await read_body(_request_of([b"x" * 10, b"y" * 10], stall=True), 100, 0.2, scan=scan)
+    assert err.value.code == "too_many_chapters"
+    assert err.value.headers["Connection"] == "close"
+    # not refused: the whole body
+    scan, seen = scan_refusing_at(99)
+    assert await read_body(_request_of([b"ab", b"cd"]), 100, 5.0, scan=scan) == b"abcd"
+
+
+async def test_the_heap_is_trimmed_once_when_the_server_goes_idle(
+        monkeypatch: pytest.MonkeyPatch):
+    """After a burst, the free pages malloc keeps go back to the system once nothing is
+    connected (issue 31: RSS kept each round's high-water mark), at most every
+    ``TRIM_EVERY_S``; a server never busy, or still busy, is not trimmed."""
+    from types import SimpleNamespace
+
+    from rtts.core import service
+
+    trims: list[float] = []
+    monkeypatch.setattr(service, "trim_heap", lambda: trims.append(1) or True)
+    active = [0]
+    stub = SimpleNamespace(active_connections=lambda: active[0], speaking=0,
+                           _used_since_trim=False, _trimmed_at=float("-inf"))
+
+    async def trim(now: float, connections: int) -> bool:
+        active[0] = connections
+        return bool(await service.Service.idle_trim(stub, now))  # type: ignore[arg-type]
+
+    assert not await trim(0.0, 0)  # never busy: nothing to give back
+    assert not await trim(1.0, 3)  # busy
+    assert await trim(2.0, 0) and len(trims) == 1  # idle after busy: trimmed
+    assert not await trim(3.0, 0)  # still idle: once
+    assert not await trim(4.0, 1)
+    assert not await trim(5.0, 0)  # idle again, but too soon after the last trim
+    stub.speaking = 1
+    assert not await trim(2.0 + service.TRIM_EVERY_S, 0)  # a context still speaking
+    stub.speaking = 0
+    assert await trim(3.0 + service.TRIM_EVERY_S, 0) and len(trims) == 2
 
 
 async def test_jobs_per_key_are_bounded(tmp_path: Path, redis_url: str):

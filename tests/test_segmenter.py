@@ -193,3 +193,26 @@ def test_pipecat_pieces_are_cut_as_soon_as_the_next_sentence_starts():
                  "Ask Mr.Smith now", "Born in the U.S.Army base", "Use ASP.NET here"):
         seg = Segmenter(schedule=(1,))
         assert [c.text for c in seg.push(text) + seg.flush()] == [text], text
+
+
+def test_text_without_boundaries_is_scanned_in_c_not_char_by_char(monkeypatch):
+    """Issue 31: a 20,000-character text with no punctuation ("3-5 3-5 ...") took ~10 ms of
+    the event loop to segment, testing every character for a boundary in Python; the scans
+    now jump from one punctuation mark to the next, so such a text tests none."""
+    calls = 0
+    original = Segmenter._boundary_after
+
+    def counting(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(Segmenter, "_boundary_after", staticmethod(counting))
+    seg = Segmenter()
+    chunks = seg.push("3-5 " * 5000) + seg.flush()
+    assert calls == 0
+    assert "".join(c.text + " " for c in chunks).split() == ["3-5"] * 5000
+    calls = 0
+    seg = Segmenter()
+    seg.push("word, " * 2000)  # a boundary every 6 characters: about one test each
+    assert calls < 2 * 12000 // 6 + 200

@@ -17,8 +17,10 @@ sample rate, so contexts and front-ends see one rate.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import logging
+import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
@@ -44,7 +46,8 @@ from rtts.engines.base import Engine, SampleEngine, SynthRequest
 from rtts.engines.threads import run_in_own_thread
 from rtts.errors import ErrorCode, ProtocolError, RttsError
 
-__all__ = ["MAX_CLIP_BYTES", "SegmentRecorder", "Service", "Source", "Stats"]
+__all__ = ["MAX_CLIP_BYTES", "TRIM_EVERY_S", "SegmentRecorder", "Service", "Source", "Stats",
+           "trim_heap"]
 
 logger = logging.getLogger("rtts.core")
 
@@ -172,6 +175,8 @@ class Service:
         self.governor = Governor(_scaled_governor(config))
         self._sampler: asyncio.Task[None] | None = None
         self._process = psutil.Process()
+        self._used_since_trim = False  # busy since the heap was last trimmed (idle_trim)
+        self._trimmed_at = float("-inf")
         self.cache = PhraseCache(config.cache, self.engine.name, self.engine.sample_rate)
         self.voices = VoiceStore(config.voices_dir, max_per_owner=config.max_voices_per_key)
         self.voices.default_engine = self.engine.name
@@ -283,6 +288,23 @@ class Service:
             level = self.governor.update(self.load_signals(), time.monotonic())
             if level != before:
                 self.apply_level(level)
+            await self.idle_trim(time.monotonic())
+
+    async def idle_trim(self, now: float) -> bool:
+        """Once the server is idle after being busy (no connection, no context), and at most
+        every :data:`TRIM_EVERY_S`: give the heap's free pages back to the system
+        (:func:`trim_heap`, off the event loop). What a burst freed otherwise stays in the
+        process as scattered free chunks, and RSS kept the burst's high-water mark: after
+        each minute of the mixed-abuse load (tests/test_abuse.py) it sat 0.5-7% higher.
+        True when it trimmed."""
+        if self.active_connections() or self.speaking:
+            self._used_since_trim = True
+            return False
+        if not self._used_since_trim or now - self._trimmed_at < TRIM_EVERY_S:
+            return False
+        self._used_since_trim = False
+        self._trimmed_at = now
+        return await asyncio.to_thread(trim_heap)
 
     def apply_level(self, level: Level) -> None:
         """Propagate a governor level to the scheduler (front-ends extend this)."""
@@ -476,6 +498,20 @@ class Service:
                 "kernels": None if engine.kernels is None else dict(engine.kernels),
                 "engines": [_describe(e, self.schedulers[e.name], e is self.engine)
                             for e in self.engines.values()]}
+
+
+TRIM_EVERY_S = 10.0
+
+
+def trim_heap() -> bool:
+    """glibc's ``malloc_trim(0)``: the free pages anywhere in malloc's heaps go back to the
+    system (ctypes lets the GIL go meanwhile). False where there is none (not glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
 
 
 def _scaled_governor(config: ServerConfig) -> GovernorConfig:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import orjson
@@ -26,10 +27,9 @@ from rtts.core.params import SpeechOptions, parse_options
 from rtts.core.service import Service, State
 from rtts.errors import ProtocolError, RttsError
 
-__all__ = ["ApiError", "DeadlineStreamingResponse", "api_error_response", "auth_api_error",
-           "authorize", "authorize_listing", "b64", "check_ready", "number_param", "read_body",
-           "read_timeout_error",
-           "speech_options", "sse"]
+__all__ = ["ApiError", "DeadlineStreamingResponse", "JsonCommas", "api_error_response",
+           "auth_api_error", "authorize", "authorize_listing", "b64", "check_ready",
+           "number_param", "read_body", "read_timeout_error", "speech_options", "sse"]
 
 
 class ApiError(RttsError):
@@ -186,25 +186,97 @@ def read_timeout_error(seconds: float) -> ApiError:
                     code="request_timeout", headers={"Connection": "close"})
 
 
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float,
+                    scan: Callable[[bytes], None] | None = None) -> bytes:
     """The request body, or a 413 :class:`ApiError` past ``limit`` bytes, or a 408 when the
     whole body has not arrived within ``timeout_s`` (``http_read_timeout_s``): a body
     announced by its Content-Length that never comes, or one dripped a byte at a time, no
-    longer holds the request (and the key's session) forever."""
+    longer holds the request (and the key's session) forever.
+
+    ``scan`` sees each piece as it arrives and may raise an :class:`ApiError` to refuse
+    the body before it is whole (and before anything parses it): the rest of the body is
+    then read and dropped, neither kept nor parsed (so the client, which is still sending
+    it, reads the error instead of a reset connection), and the error raised."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body larger than {limit} bytes", code="body_too_large")
     body = bytearray()
+    refused: ApiError | None = None
+    received = 0
     try:
         async with asyncio.timeout(timeout_s):
             async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
+                received += len(chunk)
+                if refused is not None:
+                    if received > limit:  # (no more of it is read: the connection closes)
+                        refused.headers = {**refused.headers, "Connection": "close"}
+                        raise refused
+                    continue  # (dropped)
+                if received > limit:
                     raise ApiError(413, f"request body larger than {limit} bytes",
                                    code="body_too_large")
+                if scan is not None:
+                    try:
+                        scan(chunk)
+                    except ApiError as exc:
+                        refused = exc
+                        body = bytearray()
+                        continue
+                body += chunk
     except TimeoutError:
+        if refused is not None:  # (the rest never came: the connection closes)
+            refused.headers = {**refused.headers, "Connection": "close"}
+            raise refused from None
         raise read_timeout_error(timeout_s) from None
+    if refused is not None:
+        raise refused
     return bytes(body)
+
+
+class JsonCommas:
+    """Counts the commas outside strings of a JSON document fed in pieces, which bounds how
+    many values (array items, object members) parsing it would make: a bounded, linear
+    scan that runs in C (``bytes.find``/``count`` and one regular expression), a piece at a
+    time, so a body can be refused for holding too many values before it is whole and
+    without parsing it (:func:`read_body`'s ``scan``). Invalid JSON is counted all the
+    same (the parser refuses it later)."""
+
+    # the rest of a string's body: up to its closing quote, or a backslash that ends the
+    # piece (its escaped character is in the next piece), or the piece's end
+    _STRING_BODY = re.compile(rb'[^"\\]*+(?:\\.[^"\\]*+)*+', re.DOTALL)
+
+    __slots__ = ("commas", "_in_string", "_escaped")
+
+    def __init__(self) -> None:
+        self.commas = 0
+        self._in_string = False
+        self._escaped = False  # a piece ended on a backslash inside a string
+
+    def feed(self, data: bytes) -> int:
+        """Count ``data``, the next piece of the document; the commas so far."""
+        i, n = 0, len(data)
+        if self._escaped and n:
+            i, self._escaped = 1, False
+        while i < n:
+            if self._in_string:
+                match = self._STRING_BODY.match(data, i)
+                assert match is not None  # (it matches the empty string)
+                end = match.end()
+                if end >= n:
+                    break
+                if data[end] == 0x5C:  # a backslash, the piece's last byte
+                    self._escaped = True
+                    break
+                self._in_string = False  # the closing quote
+                i = end + 1
+            else:
+                quote = data.find(b'"', i)
+                self.commas += data.count(b",", i, n if quote < 0 else quote)
+                if quote < 0:
+                    break
+                self._in_string = True
+                i = quote + 1
+        return self.commas
 
 
 def sse(event: dict[str, Any]) -> bytes:

@@ -102,7 +102,8 @@ class SchedulerConfig:
     # many rows stay real time (``realtime_slots``), a stream's next segment joins a batch
     # that already runs a row of that stream only while the batch holds fewer rows.
     # Beyond it every extra row slows the segments being heard below real time (ChatTTS
-    # int4 on 2 cores: 15.8 ms a step at 4 rows, 36 at 8; real time needs <= 21.3).
+    # int4 compiled on 2 cores, while serving: 21 ms a step at 4 rows, 30-35 at 5; real
+    # time needs <= 21.3).
     lookahead_within_capacity: bool = True
 
 

@@ -348,7 +348,7 @@ def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "c
         if uniform and multi:
             # the least worst slowdown against each count's fastest path: a sum let bf16p
             # (fastest at 5-8 rows by 1.3x) win over int4 (fastest at 2-4 by up to 2.3x),
-            # and a compiled int4 step at 4 rows took 26.8 ms instead of 15.2
+            # and a compiled int4 step at 4 rows took 26.8 ms instead of 18.2
             def regret(p: str) -> float:
                 return max(table.ms[p][r] / min(table.ms[q][r] for q in candidates)
                            for r in multi)

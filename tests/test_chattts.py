@@ -268,6 +268,21 @@ def _finish(gpt, rows):
             gpt.step()
 
 
+def _joined(engine, gpt, first, later, n, steps=0):
+    """``first`` alone for ``steps`` steps, then rows for ``later`` join; every row runs
+    to ``n`` tokens. The rows, ``first``'s first."""
+    import torch
+
+    with torch.no_grad():
+        rows = gpt.add([_spec(engine, first, n)])
+        for _ in range(steps):
+            gpt.step()
+        if later:
+            rows += gpt.add([_spec(engine, text, n) for text in later])
+    _finish(gpt, rows)
+    return rows
+
+
 def test_own_gpt_loop_matches_chattts_generate_for_a_row_alone(engine):
     """Same seed, same recipe: rtts's loop reproduces GPT.generate's hidden states."""
     import torch
@@ -493,23 +508,13 @@ def test_compiled_decode_step_matches_eager_and_never_recompiles_while_serving(
     ref = _reference(eng, TEXTS[0], n).hiddens[0]
     gpt = eng.batch(4)
     assert gpt.decode is eng.compiled
-    with torch.no_grad():
-        rows = gpt.add([_spec(eng, TEXTS[0], n)])
-        for _ in range(3):
-            gpt.step()
-        rows += gpt.add([_spec(eng, TEXTS[1], n), _spec(eng, TEXTS[2], n)])
-    _finish(gpt, rows)
+    rows = _joined(eng, gpt, TEXTS[0], TEXTS[1:3], n, steps=3)
     cos = torch.nn.functional.cosine_similarity(ref[:n], rows[0].hiddens[:n], dim=-1)
     assert float(cos.min()) > 0.9999
     # a small buffer that compacts and grows, one row then three
     gpt = eng.batch(4)
     gpt._alloc(8)
-    with torch.no_grad():
-        more = gpt.add([_spec(eng, TEXTS[2], n)])
-        for _ in range(5):
-            gpt.step()
-        more += gpt.add([_spec(eng, TEXTS[0], n), _spec(eng, TEXTS[1], n)])
-    _finish(gpt, more)
+    more = _joined(eng, gpt, TEXTS[2], TEXTS[0:2], n, steps=5)
     assert all(r.length == n for r in more)
     assert counters["stats"]["unique_graphs"] == graphs, "a step compiled again"
     # served through the engine, the steps are timed: the capacity is measured
@@ -531,8 +536,6 @@ def test_compiled_decode_step_matches_eager_and_never_recompiles_while_serving(
     want = _reference(other, TEXTS[0], n).hiddens[0]
     gpt = other.batch(4)
     assert gpt.decode is other.compiled
-    with torch.no_grad():
-        rows = gpt.add([_spec(other, TEXTS[0], n)])
-    _finish(gpt, rows)
+    rows = _joined(other, gpt, TEXTS[0], [], n)
     cos = torch.nn.functional.cosine_similarity(want[:n], rows[0].hiddens[:n], dim=-1)
     assert float(cos.min()) > 0.9999

@@ -368,7 +368,7 @@ class Scheduler:
         held = capped and len(playing) >= self.slot_limit  # every slot has its stream
         cap = self.realtime_slots if self.config.lookahead_within_capacity else None
         busy = {s.request.stream for s in running
-                if s.request.stream is not None and not s.finished}
+                if s.request.stream is not None and not s.finished} if cap else set()
 
         def key(s: RequestStream) -> tuple[Any, ...]:
             if not capped:

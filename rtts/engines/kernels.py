@@ -46,6 +46,7 @@ stay fp32.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import types
@@ -183,35 +184,32 @@ def _prepack_bf16(weight: Any) -> Any:
         weight.detach().to(torch.bfloat16).contiguous(), 1)
 
 
-_BF16P_OP: list[Any] = []
-_BF16P_LIB: list[Any] = []
+def _bf16p_mm(x: Any, w: Any) -> Any:
+    """``x`` (bf16) times a weight prepacked by :func:`_prepack_bf16`."""
+    import torch
+
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
 
-def _bf16p_op() -> Any:
-    """``mkldnn._linear_pointwise`` as an opaque custom op (``rtts::bf16p_linear``) for a
-    compiled step: inductor lowers the mkldnn op only for weights it packed itself (graph
-    constants under freezing), so the compiled graph calls this one instead, and fuses
-    the conversions around it."""
-    if not _BF16P_OP:
-        import torch
+@functools.cache
+def _bf16p_library() -> Any:
+    """Defines ``rtts::bf16p_linear`` (:func:`_bf16p_mm` as an opaque op) for a compiled
+    step: inductor lowers the mkldnn op only for weights it packed itself (graph constants
+    under freezing), so the compiled graph calls this one instead, and fuses the
+    conversions around it. Cached: the registrations live as long as the library."""
+    import torch
 
-        def run(x: Any, w: Any) -> Any:
-            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    def fake(x: Any, w: Any) -> Any:
+        return x.new_empty((x.shape[0], w.shape[0]))
 
-        def fake(x: Any, w: Any) -> Any:
-            return x.new_empty((x.shape[0], w.shape[0]))
-
-        # torch.library.Library rather than custom_op: its dispatch costs ~1 us a call
-        # against ~7 (80 calls a step)
-        library: Any = torch.library  # (untyped)
-        lib = library.Library("rtts", "DEF")
-        lib.define("bf16p_linear(Tensor x, Tensor w) -> Tensor")
-        lib.impl("bf16p_linear", run, "CompositeExplicitAutograd")
-        torch.library.register_fake("rtts::bf16p_linear", fake, lib=lib)
-        op = torch.ops.rtts.bf16p_linear.default
-        _BF16P_LIB.append(lib)  # the registrations live as long as the library object
-        _BF16P_OP.append(op)
-    return _BF16P_OP[0]
+    # torch.library.Library rather than custom_op: its dispatch costs ~1 us a call
+    # against ~7 (80 calls a step)
+    library: Any = torch.library  # (untyped)
+    lib = library.Library("rtts", "DEF")
+    lib.define("bf16p_linear(Tensor x, Tensor w) -> Tensor")
+    lib.impl("bf16p_linear", _bf16p_mm, "CompositeExplicitAutograd")
+    torch.library.register_fake("rtts::bf16p_linear", fake, lib=lib)
+    return lib
 
 
 def _dynamic_int8(module: Any) -> Any:
@@ -245,14 +243,14 @@ def _path_fn(path: str) -> Callable[[_Weights, Any], Any]:
         y = F.linear(x.to(torch.bfloat16), w.bf16).float()
         return y if w.bias is None else y + w.bias
 
-    op: Any = _bf16p_op() if path == "bf16p" else None
+    op: Any = None
+    if path == "bf16p":
+        _bf16p_library()
+        op = torch.ops.rtts.bf16p_linear.default
 
     def bf16p(w: _Weights, x: Any) -> Any:
-        xb = x.to(torch.bfloat16)
-        if torch.compiler.is_compiling():
-            y = op(xb, w.bf16p).float()
-        else:
-            y = torch.ops.mkldnn._linear_pointwise(xb, w.bf16p, None, "none", [], "").float()
+        mm = op if torch.compiler.is_compiling() else _bf16p_mm
+        y = mm(x.to(torch.bfloat16), w.bf16p).float()
         return y if w.bias is None else y + w.bias
 
     def int8(w: _Weights, x: Any) -> Any:

@@ -209,8 +209,7 @@ async def read_body(request: Request, limit: int, timeout_s: float,
                 received += len(chunk)
                 if refused is not None:
                     if received > limit:  # (no more of it is read: the connection closes)
-                        refused.headers = {**refused.headers, "Connection": "close"}
-                        raise refused
+                        raise _closing(refused)
                     continue  # (dropped)
                 if received > limit:
                     raise ApiError(413, f"request body larger than {limit} bytes",
@@ -225,12 +224,17 @@ async def read_body(request: Request, limit: int, timeout_s: float,
                 body += chunk
     except TimeoutError:
         if refused is not None:  # (the rest never came: the connection closes)
-            refused.headers = {**refused.headers, "Connection": "close"}
-            raise refused from None
+            raise _closing(refused) from None
         raise read_timeout_error(timeout_s) from None
     if refused is not None:
         raise refused
     return bytes(body)
+
+
+def _closing(exc: ApiError) -> ApiError:
+    """``exc``, sent with ``Connection: close`` (the rest of its body is not read)."""
+    exc.headers = {**exc.headers, "Connection": "close"}
+    return exc
 
 
 class JsonCommas:

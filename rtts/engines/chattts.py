@@ -138,6 +138,8 @@ class ChatTTSEngine:
         self.decode_s_per_audio_s = 0.0  # moving average over the decodes as they run
         self.decode_dtype = "fp32"  # the decoder's precision (_choose_decode_dtype)
         self.decode_ms: dict[str, float] = {}  # decode dtype -> ms of the load-time probe
+        # the DVAE decoder and vocos with their matmul weights in bf16 (bf16_decoder)
+        self._bf16_decoder: tuple[Any, Any] | None = None
 
     @property
     def info(self) -> EngineInfo:
@@ -235,35 +237,50 @@ class ChatTTSEngine:
             self.thread_tuner = ThreadTuner(choices, torch.set_num_threads)
 
     def _choose_decode_dtype(self) -> None:
-        """The decoder (DVAE decoder and vocos) under bf16 autocast where that measures
-        faster: one 4-row decode of 40-token windows, fp32 and bf16 interleaved, best of 3.
-        Only for the lossy weight precisions (BF16_DECODE_DTYPES). Measured on a Sapphire
-        Rapids Xeon (2 threads, shared): 0.055 -> 0.029 s per second of audio at 4 rows,
-        0.084 -> 0.069 at 1; decoded audio 41 dB from the fp32 decode (random weights),
-        above int8's 32 dB and int4's 23 dB from the fp32 GPT."""
+        """The decoder (DVAE decoder and vocos) in bf16 (:func:`bf16_decoder`) where that
+        measures faster: one 4-row decode of 40-token windows, fp32 and bf16 interleaved,
+        best of 3. Only for the lossy weight precisions (BF16_DECODE_DTYPES). Measured on
+        a Sapphire Rapids Xeon (2 threads, shared): 0.055 -> 0.029 s per second of audio
+        at 4 rows, 0.084 -> 0.069 at 1 (under autocast, which cast the weights again at
+        every decode, 12 ms of each); decoded audio 41 dB from the fp32 decode (random
+        weights), above int8's 32 dB and int4's 23 dB from the fp32 GPT."""
         import torch
 
+        self._bf16_decoder = bf16_decoder(self.chat)
         hidden = int(self.chat.gpt.gpt.config.hidden_size)
         gen = torch.Generator().manual_seed(0)
         windows = [torch.randn(40, hidden, generator=gen) for _ in range(4)]
         best = {"fp32": float("inf"), "bf16": float("inf")}
-        with torch.no_grad():
-            for _ in range(4):  # the first pass warms both up
-                for name in best:
-                    t0 = time.perf_counter()
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16"):
-                        self.chat._decode_to_wavs([w.clone() for w in windows], True)
-                    best[name] = min(best[name], 1000 * (time.perf_counter() - t0))
+        for _ in range(4):  # the first pass warms both up
+            for name in best:
+                t0 = time.perf_counter()
+                self._decode([w.clone() for w in windows], name)
+                best[name] = min(best[name], 1000 * (time.perf_counter() - t0))
         self.decode_ms = best
         self.decode_dtype = min(best, key=lambda k: best[k])
+        if self.decode_dtype != "bf16":
+            self._bf16_decoder = None
         logger.info("decoder in %s (4 x 40 tokens: fp32 %.0f ms, bf16 %.0f ms)",
                     self.decode_dtype, best["fp32"], best["bf16"])
 
-    def _decode(self, windows: list[Any]) -> Any:
+    def _decode(self, windows: list[Any], dtype: str | None = None) -> Any:
+        """Hidden-state windows (tokens, hidden) -> waveforms (rows, samples), as ChatTTS's
+        ``_decode_to_wavs``, in ``dtype`` (default: the chosen ``decode_dtype``)."""
         import torch
 
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.decode_dtype == "bf16"):
+        if (dtype or self.decode_dtype) != "bf16":
             return self.chat._decode_to_wavs(windows, True)
+        bf16 = self._bf16_decoder
+        if bf16 is None:  # decode_dtype set by hand (tests, bench kernels)
+            bf16 = self._bf16_decoder = bf16_decoder(self.chat)
+        decoder, vocos = bf16
+        width = max(int(w.shape[0]) for w in windows)
+        batch = torch.zeros(len(windows), int(windows[0].shape[1]), width,
+                            dtype=windows[0].dtype, device=windows[0].device)
+        for i, w in enumerate(windows):
+            batch[i, :, : w.shape[0]] = w.T
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return vocos.decode(decoder(batch)).float().cpu().numpy()
 
     def _load_first(self, chat_class: Any, torch: Any) -> tuple[Any, Any]:
         """The first weights of :func:`rtts.engines.weights.candidates` that load (sha256
@@ -550,9 +567,13 @@ class ChatTTSEngine:
 
     def _decode_live(self, live: list[_Live]) -> Iterator[tuple[SynthRequest,
                                                              npt.NDArray[np.float32] | None]]:
-        """Decode each row's new tokens once enough exist (its last ones when it ends)."""
+        """Decode each row's new tokens once enough exist (its last ones when it ends).
+        A decode that runs anyway also takes every row with half its window ready: a
+        decode call has a fixed cost (1 row x 40 tokens 17 ms, 4 rows 38 ms on the 2-core
+        Xeon), and rows decoded together stay in step, so later decodes batch too."""
         cfg = self.config
         due, windows, spans = [], [], []
+        ready: list[tuple[_Live, int, bool, bool]] = []  # row, target, final, full window
         for x in live:
             row = x.row
             if x.request.cancelled.is_set():
@@ -560,25 +581,25 @@ class ChatTTSEngine:
                 yield x.request, None
                 continue
             final = row.finished or row.evicted
-            end = row.length
-            target = end if final else end - cfg.decode_lookahead
-            # Decode sizes grow geometrically (first audio early, then the buffer the
-            # client holds doubles) up to decode_tokens: fewer, larger decodes.
-            step = min(cfg.decode_tokens, max(cfg.stream_tokens - cfg.decode_lookahead,
-                                              x.emitted))
-            if not final and target - x.emitted < max(1, step):
-                continue
+            target = row.length if final else row.length - cfg.decode_lookahead
             if target <= x.emitted:
                 if final:
                     x.done = True
                     yield x.request, None
                 continue
+            # Decode sizes grow geometrically (first audio early, then the buffer the
+            # client holds doubles) up to decode_tokens: fewer, larger decodes.
+            step = max(1, min(cfg.decode_tokens, max(cfg.stream_tokens - cfg.decode_lookahead,
+                                                     x.emitted)))
+            if final or 2 * (target - x.emitted) >= step:
+                ready.append((x, target, final, final or target - x.emitted >= step))
+        if not any(full for *_, full in ready):
+            return
+        for x, target, final, _ in ready:
             w0 = max(0, x.emitted - cfg.decode_context)
             due.append(x)
-            windows.append(row.hiddens[w0:end].clone())
+            windows.append(x.row.hiddens[w0:x.row.length].clone())
             spans.append((w0, x.emitted, target, final))
-        if not due:
-            return
         t0 = time.perf_counter()
         wavs = self._decode(windows)
         audio_s = sum(end - start for _, start, end, _ in spans) / TOKENS_PER_SECOND
@@ -620,6 +641,30 @@ class _Live:
     row: GptRow
     emitted: int = 0  # tokens already turned into audio
     done: bool = False
+
+
+def bf16_decoder(chat: Any) -> tuple[Any, Any]:
+    """Copies of ChatTTS's DVAE decoder and vocos whose Linear and Conv1d weights and
+    biases are bf16 already, for decoding under bf16 autocast: the same arithmetic (autocast
+    rounds those to bf16 anyway) without casting them again at every decode, which took
+    12 of a 1-row 40-token decode's 32 ms (2-core Sapphire Rapids Xeon). Norms, the
+    spectrogram and ISTFT buffers stay fp32 (autocast runs those in fp32)."""
+    import copy
+
+    import torch
+
+    out = []
+    for module in (chat.decoder, chat.vocos):
+        twin = copy.deepcopy(module).requires_grad_(False)
+        for m in twin.modules():
+            if isinstance(m, torch.nn.Linear) and kernels.bf16p_available():
+                kernels.prepack_linear(m)
+            elif isinstance(m, torch.nn.Linear | torch.nn.Conv1d):
+                m.weight.data = m.weight.data.to(torch.bfloat16)
+                if m.bias is not None:
+                    m.bias.data = m.bias.data.to(torch.bfloat16)
+        out.append(twin)
+    return out[0], out[1]
 
 
 def _bake_weight_norm(chat: Any) -> None:

@@ -191,6 +191,24 @@ def _bf16p_mm(x: Any, w: Any) -> Any:
     return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
 
+def prepack_linear(module: Any) -> None:
+    """Make an ``nn.Linear`` compute in bf16 through a weight prepacked once
+    (:func:`_prepack_bf16`), its output bf16 (as under bf16 autocast, without reordering
+    the weight at every call); eager only."""
+    import torch
+
+    packed = _prepack_bf16(module.weight)
+    bias = None if module.bias is None else module.bias.detach().to(torch.bfloat16)
+    del module.weight
+    module.register_buffer("weight", torch.empty(0), persistent=False)
+
+    def forward(x: Any) -> Any:
+        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, bias,
+                                                  "none", [], "")
+
+    module.forward = forward
+
+
 @functools.cache
 def _bf16p_library() -> Any:
     """Defines ``rtts::bf16p_linear`` (:func:`_bf16p_mm` as an opaque op) for a compiled

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rtts.core.params import SynthParams
-from rtts.core.scheduler import Scheduler, SchedulerConfig
+from rtts.core.scheduler import RequestStream, Scheduler, SchedulerConfig
 from rtts.engines.base import SynthRequest
 from rtts.engines.fake import FakeEngine
 from rtts.errors import EngineError, EngineTimeout, Overloaded
@@ -272,6 +272,30 @@ async def test_continuous_later_segment_waits_until_the_first_segment_has_audio(
     assert later.admitted_at is not None and first.first_audio_at is not None
     assert later.admitted_at >= first.first_audio_at
     await sched.stop()
+
+
+async def test_continuous_later_segment_does_not_wait_for_another_later_segment():
+    """The hold protects the first audio of a stream's first segment only: a later segment
+    (the next sentence of a stream already playing) joins while another stream's later
+    segment is still before its first audio; waiting would be a gap in both streams."""
+    sched = Scheduler(FakeEngine(continuous=True), SchedulerConfig(max_batch_size=8))
+
+    def submit(priority, stream):  # queued as submit() queues, without a dispatcher
+        s = RequestStream(SynthRequest("x" * 10, SynthParams(), priority=priority,
+                                       stream=stream))
+        sched._queue.append(s)
+        return s
+
+    one = submit(1, 1)
+    assert sched._pick(8) == [one] and one.first_audio_at is None
+    two = submit(1, 2)
+    assert sched._pick(7, warming=True, running=[one]) == [two]  # joins at once
+    first = submit(0, 3)
+    assert sched._pick(6, warming=True, running=[one, two]) == [first]
+    three = submit(1, 4)  # a first segment without audio runs: this one waits
+    assert sched._pick(5, warming=True, running=[one, two, first]) == []
+    first.first_audio_at = one.first_audio_at = 1.0
+    assert sched._pick(5, warming=True, running=[one, two, first]) == [three]
 
 
 async def test_continuous_engine_failing_before_its_first_step_fails_the_batch():

@@ -346,11 +346,14 @@ class Scheduler:
         """Take up to ``n`` waiting requests for a continuous batch (any thread) with
         ``n`` free slots: a stream's first segment first, then oldest first; solo retries
         are not taken. Later segments leave :attr:`reserve` slots free, and wait while a
-        row of the batch (``warming``) or a first segment taken now has no audio yet --
-        their prefill would delay that first audio -- unless they have waited
-        ``later_hold_s`` already. A later segment of a stream with a row among
-        ``running`` (the batch's rows) waits while the batch holds the measured real-time
-        capacity (``lookahead_within_capacity``)."""
+        row of the batch (``warming``; among ``running``, a first segment) or a first
+        segment taken now has no audio yet -- their prefill would delay that first audio
+        -- unless they have waited ``later_hold_s`` already. (Not for another stream's
+        later segment: with 4 streams whose segments ended together, the last one's next
+        segment waited 8 steps for the others' first chunks, a gap the listener heard.)
+        A later segment of a stream with a row among ``running`` (the batch's rows) waits
+        while the batch holds the measured real-time capacity
+        (``lookahead_within_capacity``)."""
         if n <= 0:
             return []
         now = time.monotonic()
@@ -366,6 +369,8 @@ class Scheduler:
                 playing.pop(stream, None)
 
         held = capped and len(playing) >= self.slot_limit  # every slot has its stream
+        first_warming = warming and (not running or any(
+            s.first_audio_at is None and s.request.priority == 0 for s in running))
         cap = self.realtime_slots if self.config.lookahead_within_capacity else None
         busy = {s.request.stream for s in running
                 if s.request.stream is not None and not s.finished} if cap else set()
@@ -396,7 +401,7 @@ class Scheduler:
                     continue  # lookahead beyond real time: the heard rows come first
                 if s.request.priority >= BACKGROUND and background_room is not None:
                     background_room -= 1
-                if later and not capped and (warming or any(c.request.priority == 0
+                if later and not capped and (first_warming or any(c.request.priority == 0
                                                             for c in chosen)) \
                         and now - s.submitted_at < self.config.later_hold_s:
                     break

@@ -77,6 +77,29 @@ def test_prepacked_bf16_computes_what_bf16_linear_does_eager_and_compiled():
             assert torch.allclose(compiled(x), got, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("path,native_dtype", [
+    ("linear", "float32"), ("transposed", "float32"), ("bf16", "bfloat16"),
+    ("int8", "float32"), ("int8bf", "bfloat16"), ("int4", "bfloat16")])
+def test_native_output_is_the_kernels_own_dtype_and_the_same_values(path, native_dtype):
+    """``rtts_native`` (what the GPT layer loop calls) skips the cast to fp32 where the
+    kernel gives bf16, and takes bf16 input (the MLP's gate/up into down_proj)."""
+    model = _model()
+    kernels.install(model, "int4" if path == "int4" else "int8", max_rows=2, force=path)
+    lin = model[2]  # no bias: bias goes on in fp32, so a biased layer's output is fp32
+    with torch.no_grad():
+        for rows in (1, 2, 9):
+            x = torch.randn(rows, 512)
+            fp32, native = lin(x), lin.rtts_native(x)
+            assert fp32.dtype == torch.float32
+            assert native.dtype == getattr(torch, native_dtype)
+            assert torch.equal(native.float(), fp32)
+            # bf16 input: what the fp32 paths cast, and the bf16 paths take as it is
+            xb = x.to(torch.bfloat16)
+            assert torch.equal(lin.rtts_native(xb).float(), lin(xb.float()))
+        biased = model[0]
+        assert biased.rtts_native(torch.randn(2, 256)).dtype == torch.float32
+
+
 def test_uniform_choice_keeps_one_path_from_two_rows_up(monkeypatch):
     # int8bf fastest at 2 rows (2x), linear at 3 and 4 (2.5x): uniform keeps the path whose
     # worst slowdown against the fastest is least

@@ -191,6 +191,24 @@ def test_realtime_capacity_counts_rows_whose_steps_and_decoding_fit_a_second():
     assert realtime_capacity({}, 0.0, slots=8) == 0  # nothing measured yet
 
 
+def test_prefill_per_audio_second_is_averaged_over_windows():
+    """The prefill of joining segments, per second of audio, closes a window once it holds
+    PREFILL_WINDOW_S of audio; /v1/info's capacity adds it to the decoding cost."""
+    from rtts.config import EngineConfig
+    from rtts.engines.chattts import PREFILL_WINDOW_S, ChatTTSEngine, _prefill_update
+
+    eng = ChatTTSEngine(EngineConfig())
+    eng._prefill_window[0] += 0.4  # seconds of prefill
+    _prefill_update(eng, 1.0)  # window not full yet
+    assert eng.prefill_s_per_audio_s == 0
+    _prefill_update(eng, PREFILL_WINDOW_S)
+    first = 0.4 / (1.0 + PREFILL_WINDOW_S)
+    assert eng.prefill_s_per_audio_s == pytest.approx(first)
+    assert eng._prefill_window == [0.0, 0.0]
+    _prefill_update(eng, PREFILL_WINDOW_S)  # a window with no segment joining
+    assert eng.prefill_s_per_audio_s == pytest.approx(0.7 * first)
+
+
 def test_fused_projections_compute_what_the_separate_ones_did():
     """gpt_loop.fuse_projections: one q/k/v and one gate/up matrix per Llama layer; the
     old projections stay callable (slices of the fused output) and the layer's own forward

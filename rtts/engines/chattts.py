@@ -68,16 +68,17 @@ logger = logging.getLogger("rtts.chattts")
 BF16_DECODE_DTYPES = ("int8", "int4")
 SAMPLES_PER_TOKEN = 512  # 1 GPT step = 2 mel frames x hop 256 at 24 kHz
 TOKENS_PER_SECOND = 24000 / SAMPLES_PER_TOKEN  # 46.875 GPT steps per second of audio
+PREFILL_WINDOW_S = 4.0  # audio seconds per window of the prefill average
 
 
-def realtime_capacity(step_ms: dict[int, float], decode_s_per_audio_s: float,
-                      slots: int) -> int:
+def realtime_capacity(step_ms: dict[int, float], per_audio_s: float, slots: int) -> int:
     """The most rows that stay real time: ``rows`` streams need, per second, 46.875 steps
-    of ``rows`` rows plus the decoding of ``rows`` seconds of audio. Only measured row
-    counts count; 0 when none is real time (or none was measured yet)."""
+    of ``rows`` rows plus ``rows`` times ``per_audio_s``, the engine's other seconds per
+    second of audio (decoding, and the prefill of the segments that join). Only measured
+    row counts count; 0 when none is real time (or none was measured yet)."""
     best = 0
     for rows, ms in sorted(step_ms.items()):
-        need = TOKENS_PER_SECOND * ms / 1000 + rows * decode_s_per_audio_s
+        need = TOKENS_PER_SECOND * ms / 1000 + rows * per_audio_s
         if rows <= slots and need <= 1.0:
             best = rows
     return best
@@ -136,6 +137,12 @@ class ChatTTSEngine:
         self.thread_tuner: ThreadTuner | None = None
         self.compiled: CompiledDecode | None = None  # --compile: the decode step compiled
         self.decode_s_per_audio_s = 0.0  # moving average over the decodes as they run
+        # Prefill (segments joining the batch) per second of audio decoded, a moving
+        # average over windows of PREFILL_WINDOW_S: every running row waits while a joiner
+        # prefills (a 242-token anchored prompt: ~110 ms a row on the 2-core Xeon, int4),
+        # so it is time the real-time capacity must cover, as decoding is.
+        self.prefill_s_per_audio_s = 0.0
+        self._prefill_window = [0.0, 0.0]  # prefill seconds, audio seconds, this window
         self.decode_dtype = "fp32"  # the decoder's precision (_choose_decode_dtype)
         self.decode_ms: dict[str, float] = {}  # decode dtype -> ms of the load-time probe
         # the DVAE decoder and vocos with their matmul weights in bf16 (bf16_decoder)
@@ -153,9 +160,11 @@ class ChatTTSEngine:
             steps = tuner.step_ms()
             kern["step_ms"] = {r: round(ms, 2) for r, ms in steps.items()}
             kern["decode_s_per_audio_s"] = round(self.decode_s_per_audio_s, 4)
+            kern["prefill_s_per_audio_s"] = round(self.prefill_s_per_audio_s, 4)
             # measured from the steps as they run: what an autoscaler or balancer reads
             kern["realtime_streams"] = realtime_capacity(
-                steps, self.decode_s_per_audio_s, self.config.batch_rows)
+                steps, self.decode_s_per_audio_s + self.prefill_s_per_audio_s,
+                self.config.batch_rows)
         return EngineInfo(self.name, self.sample_rate, device=self.device,
                           continuous=self.continuous, weights=dict(self.weights),
                           kernels=kern, samples=self.samples, **self._scheduling())
@@ -549,7 +558,10 @@ class ChatTTSEngine:
                 new = list(admit(gpt.free_slots)) if gpt.free_slots else []
                 if new:
                     t0 = time.perf_counter()
-                    rows = gpt.add(self._specs(new))
+                    specs = self._specs(new)
+                    t1 = time.perf_counter()
+                    rows = gpt.add(specs)
+                    self._prefill_window[0] += time.perf_counter() - t1
                     live += [_Live(r, row) for r, row in zip(new, rows, strict=True)]
                     logger.debug("joined %d (prefill %.0f ms): %d rows live at step %d",
                                  len(new), 1000 * (time.perf_counter() - t0),
@@ -607,6 +619,7 @@ class ChatTTSEngine:
             per = (time.perf_counter() - t0) / audio_s
             old = self.decode_s_per_audio_s
             self.decode_s_per_audio_s = per if old == 0 else old + 0.2 * (per - old)
+            _prefill_update(self, audio_s)
         for k, x in enumerate(due):
             w0, start, target, final = spans[k]
             valid = max(0, (2 * (target - w0) - 1) * 256) if final else None
@@ -620,6 +633,16 @@ class ChatTTSEngine:
                 x.done = True
                 _record_codes(x)
                 yield x.request, None
+
+
+def _prefill_update(engine: ChatTTSEngine, audio_s: float) -> None:
+    """Close a prefill window once it holds PREFILL_WINDOW_S of audio (engine thread)."""
+    w = engine._prefill_window
+    w[1] += audio_s
+    if w[1] >= PREFILL_WINDOW_S:
+        per, old = w[0] / w[1], engine.prefill_s_per_audio_s
+        engine.prefill_s_per_audio_s = per if old == 0 else old + 0.3 * (per - old)
+        w[0] = w[1] = 0.0
 
 
 def _record_codes(x: _Live) -> None:

@@ -558,6 +558,7 @@ async def bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
         # the decoded audio of the teacher-forced run against fp32's (same codes fed),
         # decoded as the engine serves (bf16 where chosen at load for int8/int4)
         wav = engine._decode([hiddens])[0]
+        res["decode_dtype"] = engine.decode_dtype
         if ref_wav is None:
             ref_wav = wav
         err = float(((wav - ref_wav) ** 2).sum())

@@ -65,6 +65,10 @@ class EngineConfig:
     kernels: str = "auto"  # auto: measure at load; or force one path (see engines/kernels.py)
     batch_rows: int = 8  # most rows a batch can have (the scheduler's slots): kernels timed 1..
     fixed_tokens: int | None = None  # benchmarks: every segment exactly this many GPT steps
+    # benchmarks: every segment exactly ceil(this x its characters) GPT steps (at least 8):
+    # lengths like speech's (ChatTTS says ~14 characters of English a second, 3.3 steps
+    # a character), so a short first segment makes a short anchor as it would for real
+    fixed_tokens_per_char: float | None = None
     fake_rtf: float = 0.0  # fake engine only
     fake_first_chunk_ms: float = 0.0  # fake engine only
     # piper voice models (.onnx, config beside it): with name="piper" they are the engine;

@@ -581,3 +581,15 @@ def test_a_due_decode_takes_rows_with_half_a_window_ready():
     calls.clear()
     rows = [live(24 + 20 + 4, 24), live(24 + 12 + 4, 24)]
     assert list(eng._decode_live(rows)) == [] and calls == []
+
+
+def test_benchmark_lengths_follow_the_text_with_tokens_per_char():
+    """``fixed_tokens_per_char`` (rtts bench realtime --tokens-per-char): a segment's GPT
+    steps in proportion to its characters, at least 8; ``fixed_tokens`` wins."""
+    eng = ChatTTSEngine(EngineConfig(fixed_tokens_per_char=3.3))
+    assert eng._max_tokens(SynthRequest("Good evening.", SynthParams())) == 43  # 13 x 3.3
+    assert eng._max_tokens(SynthRequest("Hi.", SynthParams())) == 10  # ceil(9.9)
+    assert eng._max_tokens(SynthRequest("Hi", SynthParams())) == 8  # not 7: at least 8
+    assert eng._max_tokens(SynthRequest("Hi.", SynthParams(), max_new_token=5)) == 5
+    both = ChatTTSEngine(EngineConfig(fixed_tokens=120, fixed_tokens_per_char=3.3))
+    assert both._max_tokens(SynthRequest("Hi.", SynthParams())) == 120

@@ -25,7 +25,11 @@ reports the gap between a segment's last frame and the next segment's first
 a batch with anchored rows are timed beside plain ones (``anchor_cost``).
 
 Every segment is forced to ``--tokens`` GPT steps, so random weights give equal work in
-every setting. The same run measures the machine's read bandwidth (one pass over a
+every setting; or, with ``--tokens-per-char``, to a length in proportion to its text, as
+speech's is (the segmenter's first segments are short, so an anchor made of a first
+segment's codes is short too, where ``--tokens`` makes it as long as any). With
+``--decode-tokens 24,96`` every rtts setting also runs at each steady decode size. The
+same run measures the machine's read bandwidth (one pass over a
 ``--bandwidth-mb`` buffer) and, per dtype, the GPT decode step at 1 and ``--rows`` rows:
 its multiple of the weight-read limit (bytes of the GPT's linear weights as the installed
 kernels hold them, divided by the bandwidth measured just before) and the share of the
@@ -323,13 +327,17 @@ async def bench_realtime(args: argparse.Namespace) -> dict[str, Any]:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     ecfg = EngineConfig(source="custom", model_dir=args.model_dir, device=device,
-                        threads=args.threads, fixed_tokens=args.tokens, batch_rows=slots)
+                        threads=args.threads, batch_rows=slots,
+                        fixed_tokens=None if args.tokens_per_char else args.tokens,
+                        fixed_tokens_per_char=args.tokens_per_char or None)
     out: dict[str, Any] = {
         "cpu": _cpu_model(), "cores": os.cpu_count(), "threads": args.threads,
         "device": device if device == "cpu" else torch.cuda.get_device_name(device),
         "torch": torch.__version__, "model_dir": str(args.model_dir), "text": args.text,
-        "tokens": args.tokens, "prebuffer_s": args.prebuffer,
+        "tokens": None if args.tokens_per_char else args.tokens,
+        "tokens_per_char": args.tokens_per_char or None, "prebuffer_s": args.prebuffer,
         "silence_tolerance_s": args.silence_tolerance, "counts": counts, "repeat": args.repeat,
+        "decode_tokens": args.decode_tokens or str(EngineConfig.decode_tokens),
         "steps": {}, "runs": {}, "load_s": {}}
     bandwidth = await run_in_own_thread(functools.partial(read_bandwidth, args.bandwidth_mb,
                                                           device=device))
@@ -388,17 +396,26 @@ async def bench_realtime(args: argparse.Namespace) -> dict[str, Any]:
             "auto": [("", None)], "on": [("", True)], "off": [("-noanchor", False)],
             "both": [("", True), ("-noanchor", False)]}
         variants = modes[args.anchor]
-        runs = [(name + suffix, name, anchor, most) for name, _, _, most in setups
-                for suffix, anchor in (variants if name != "stock" else [("", None)])]
+        # --decode-tokens: each rtts setting at each steady decode size (the engine's
+        # config is switched between runs, so one loaded engine serves them all)
+        sizes: list[int | None] = [int(d) for d in args.decode_tokens.split(",") if d] \
+            if args.decode_tokens else [None]
+        runs = [(name + suffix + (f"/d{size}" if size and len(sizes) > 1 else ""), name,
+                 anchor, most, size) for name, _, _, most in setups
+                for suffix, anchor in (variants if name != "stock" else [("", None)])
+                for size in (sizes if name != "stock" else [None])]
         # Stock ChatTTS runs after every rtts run: its static batches run on the
         # scheduler's long-lived executor thread, and that thread's OpenMP team would slow
         # every rtts run after it (rtts.engines.threads), which no `rtts serve` has.
         ordered = [(n, rep_i, run) for last in (False, True) for n in counts
                    for rep_i in range(args.repeat) for run in runs
                    if (run[1] == "stock") == last]
-        for n, rep_i, (label, name, anchor, most) in ordered:
+        for n, rep_i, (label, name, anchor, most, size) in ordered:
             if n > most:
                 continue
+            if size is not None:
+                engine = engines[name]
+                engine.config = replace(engine.config, decode_tokens=size)
             t0 = time.perf_counter()
             results = await asyncio.gather(*(
                 listen(urls[name], args.text, i, args.prebuffer, anchor)
@@ -425,7 +442,7 @@ async def bench_realtime(args: argparse.Namespace) -> dict[str, Any]:
         | {"no_silence": all(r["no_silence"] for r in rows)}
         for key, rows in out["runs"].items()}
     out["realtime_streams"] = {label: realtime_streams(out["runs"], label, counts)
-                               for label, _, _, _ in runs}
+                               for label, *_ in runs}
     return out
 
 
@@ -440,6 +457,9 @@ def add_parser(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--dtypes", default="fp32", help="rtts settings: --dtype values, each "
                    "optionally with +compile (int4+compile: --dtype int4 --compile)")
     p.add_argument("--tokens", type=int, default=120, help="GPT steps per segment")
+    p.add_argument("--tokens-per-char", type=float, default=0.0,
+                   help="instead of --tokens: each segment ceil(this x its characters) "
+                   "GPT steps (speech-like lengths: 3.3 for English at ChatTTS's pace)")
     p.add_argument("--prebuffer", type=float, default=0.3,
                    help="seconds a player buffers after its first audio before playing")
     p.add_argument("--silence-tolerance", type=float, default=0.05,
@@ -460,6 +480,9 @@ def add_parser(bench: argparse.ArgumentParser) -> None:
                    "prefill/step of anchored rows")
     p.add_argument("--anchor-sample-s", type=float, default=3.0,
                    help="sample length for the anchored prefill/step timing (seconds)")
+    p.add_argument("--decode-tokens", default="", help="steady decode sizes to compare "
+                   "(comma-separated, e.g. 24,96; each rtts setting runs at each); default: "
+                   "the engine's")
     p.add_argument("--json", type=Path, default=None, help="also write results here")
 
 

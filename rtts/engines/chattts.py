@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import sys
 import threading
@@ -441,6 +442,8 @@ class ChatTTSEngine:
             return request.max_new_token
         if self.config.fixed_tokens:
             return self.config.fixed_tokens
+        if self.config.fixed_tokens_per_char:
+            return max(8, math.ceil(self.config.fixed_tokens_per_char * len(request.text)))
         cap = self.config.max_new_token
         if request.degraded:
             cap = cap * 3 // 4
@@ -488,7 +491,7 @@ class ChatTTSEngine:
                     chat.speaker.apply(emb[j:j + 1], voice, input_ids[j:j + 1],
                                        chat.tokenizer.spk_emb_ids, chat.gpt.device_gpt)
                 embs[k] = emb[j][attention_mask[j].bool()].detach()
-        fixed = bool(self.config.fixed_tokens)
+        fixed = bool(self.config.fixed_tokens or self.config.fixed_tokens_per_char)
         specs = []
         for k, r in enumerate(batch):
             limit = self._max_tokens(r)
@@ -750,7 +753,8 @@ class StockChatTTSEngine(ChatTTSEngine):
                 repetition_penalty=p.repetition_penalty,
                 temperature=p.temperature, top_P=p.top_P, top_K=p.top_K,
                 max_new_token=tokens,
-                min_new_token=tokens if self.config.fixed_tokens else 0,
+                min_new_token=tokens if self.config.fixed_tokens
+                or self.config.fixed_tokens_per_char else 0,
                 manual_seed=p.seed, show_tqdm=False)
             refine = chat.RefineTextParams(prompt=p.refine_prompt, show_tqdm=False,
                                            manual_seed=p.seed)

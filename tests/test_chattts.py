@@ -392,6 +392,29 @@ def test_per_row_sampling_params_in_one_batch(engine):
     assert torch.allclose(ref.hiddens[0], rows[2].hiddens[:n], atol=1e-4)
 
 
+def test_a_seeded_row_beside_unseeded_rows_draws_its_own_codes(engine):
+    """A seeded row's draw is argmax(p / q) with its generator's Exp(1) noise q, drawn once
+    (ChatTTS re-seeds every step, so q never changes): beside unseeded rows, which draw
+    from the global generator, it still draws the codes it draws alone."""
+    import torch
+
+    n = 12
+    gpt = _gpt(engine)
+    with torch.no_grad():
+        [alone] = gpt.add([_spec(engine, TEXTS[0], n, seed=5)])
+    _finish(gpt, [alone])
+    gpt = _gpt(engine)
+    with torch.no_grad():
+        rows = gpt.add([_spec(engine, TEXTS[1], n, seed=None),
+                        _spec(engine, TEXTS[0], n, seed=5),
+                        _spec(engine, TEXTS[2], n, seed=None)])
+    _finish(gpt, rows)
+    assert set(gpt.forward_rows) == {3}
+    assert torch.equal(rows[1].codes[:n], alone.codes[:n])
+    assert rows[1].noise is not None and rows[1].noise.shape[0] == 4
+    assert rows[0].noise is None and rows[2].noise is None
+
+
 def test_finished_and_cancelled_rows_leave_and_free_their_slot(engine):
     import torch
 

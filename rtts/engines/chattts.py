@@ -437,6 +437,11 @@ class ChatTTSEngine:
 
     # -- generation --------------------------------------------------------------------
 
+    @property
+    def _fixed_length(self) -> bool:
+        """Benchmarks: every segment runs exactly its ``_max_tokens`` steps (EOS masked)."""
+        return bool(self.config.fixed_tokens or self.config.fixed_tokens_per_char)
+
     def _max_tokens(self, request: SynthRequest) -> int:
         if request.max_new_token is not None:
             return request.max_new_token
@@ -491,7 +496,7 @@ class ChatTTSEngine:
                     chat.speaker.apply(emb[j:j + 1], voice, input_ids[j:j + 1],
                                        chat.tokenizer.spk_emb_ids, chat.gpt.device_gpt)
                 embs[k] = emb[j][attention_mask[j].bool()].detach()
-        fixed = bool(self.config.fixed_tokens or self.config.fixed_tokens_per_char)
+        fixed = self._fixed_length
         specs = []
         for k, r in enumerate(batch):
             limit = self._max_tokens(r)
@@ -753,8 +758,7 @@ class StockChatTTSEngine(ChatTTSEngine):
                 repetition_penalty=p.repetition_penalty,
                 temperature=p.temperature, top_P=p.top_P, top_K=p.top_K,
                 max_new_token=tokens,
-                min_new_token=tokens if self.config.fixed_tokens
-                or self.config.fixed_tokens_per_char else 0,
+                min_new_token=tokens if self._fixed_length else 0,
                 manual_seed=p.seed, show_tqdm=False)
             refine = chat.RefineTextParams(prompt=p.refine_prompt, show_tqdm=False,
                                            manual_seed=p.seed)

@@ -169,7 +169,7 @@ async def test_streams_through_the_server(tiny_checkpoint: Path):
 
 
 def test_int8_engine_measures_its_decoder_precision_and_decodes_audio(tiny_checkpoint):
-    """For int8/int4 the decoder's precision (fp32 or bf16 autocast) is measured at load;
+    """For int8/int4 the decoder's precision (fp32, bf16 autocast or int8) is measured at load;
     the chosen one decodes finite audio close to the fp32 decode."""
     import torch
 
@@ -177,7 +177,8 @@ def test_int8_engine_measures_its_decoder_precision_and_decodes_audio(tiny_check
                                      stream_tokens=8, dtype="int8", batch_rows=2))
     eng.load()
     try:
-        assert eng.decode_dtype in ("fp32", "bf16") and set(eng.decode_ms) == {"fp32", "bf16"}
+        assert eng.decode_dtype in ("fp32", "bf16", "int8")
+        assert set(eng.decode_ms) == {"fp32", "bf16", "int8"}
         assert eng.info.kernels["decode_dtype"] == eng.decode_dtype
         assert eng.kernel_table.kv_dtype in ("fp32", "bf16")
         hidden = eng.chat.gpt.gpt.config.hidden_size
@@ -190,6 +191,11 @@ def test_int8_engine_measures_its_decoder_precision_and_decodes_audio(tiny_check
             # over the fp32 modules computes (which casts every weight at every decode)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 auto = eng.chat._decode_to_wavs([window.clone()], True)[0]
+            # the int8 twin (fbgemm dynamic int8 Linear layers), and two rows decoded
+            # together (one activation scale per call) stay close to fp32 too
+            eng.decode_dtype = "int8"
+            q8 = eng._decode([window.clone()])[0]
+            q8_pair = eng._decode([window.clone(), window[:16].clone()])[0]
         assert got.shape == ref.shape and np.isfinite(got).all()
 
         def snr(a, b):
@@ -197,6 +203,9 @@ def test_int8_engine_measures_its_decoder_precision_and_decodes_audio(tiny_check
 
         assert snr(ref, got) > 20, snr(ref, got)
         assert snr(auto, got) > 50, snr(auto, got)
+        assert q8.shape == ref.shape and np.isfinite(q8).all()
+        assert snr(ref, q8) > 20, snr(ref, q8)
+        assert snr(ref, q8_pair) > 20, snr(ref, q8_pair)
     finally:
         eng.close()
 

@@ -21,11 +21,14 @@ def test_selection_measures_every_candidate_and_records_the_fastest(dtype):
     table = kernels.install(model, dtype, max_rows=4, repeat=1)
     candidates = tuple(p for p in kernels._CANDIDATES[dtype]
                        if p != "bf16p" or kernels.bf16p_available())
-    assert set(table.ms) == set(candidates)
+    prefill_only = tuple(p for p in kernels._PREFILL_ONLY.get(dtype, ()) if p not in candidates)
+    assert set(table.ms) == {*candidates, *prefill_only}
+    assert all(set(table.ms[p]) == {kernels.PREFILL_ROWS} for p in prefill_only)
     assert sorted(table.chosen) == [1, 2, 3, 4, kernels.PREFILL_ROWS]
     for rows, path in table.chosen.items():
-        assert path in candidates
-        assert table.ms[path][rows] == min(table.ms[p][rows] for p in candidates)
+        offered = (*candidates, *prefill_only) if rows == kernels.PREFILL_ROWS else candidates
+        assert path in offered
+        assert table.ms[path][rows] == min(table.ms[p][rows] for p in offered)
     assert "linear" in candidates  # plain fp32 F.linear is always a candidate, or the path
     assert table.as_dict()["chosen"] == table.chosen and "chosen" in table.summary()
     with torch.no_grad():

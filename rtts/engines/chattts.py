@@ -65,8 +65,11 @@ __all__ = ["ChatTTSEngine", "StockChatTTSEngine", "check_torchaudio", "configure
 
 logger = logging.getLogger("rtts.chattts")
 
-# weight precisions whose decoder may run in bf16 (measured at load): the lossy ones
+# weight precisions whose decoder may run in bf16 or int8 (measured at load): the lossy ones
 BF16_DECODE_DTYPES = ("int8", "int4")
+# an int8 decoder (int8_decoder) is chosen only where it is this many times faster than
+# the faster of fp32 and bf16: its audio is further from the fp32 decode (33 against 41 dB)
+INT8_DECODE_MARGIN = 1.25
 SAMPLES_PER_TOKEN = 512  # 1 GPT step = 2 mel frames x hop 256 at 24 kHz
 TOKENS_PER_SECOND = 24000 / SAMPLES_PER_TOKEN  # 46.875 GPT steps per second of audio
 PREFILL_WINDOW_S = 4.0  # audio seconds per window of the prefill average
@@ -148,6 +151,8 @@ class ChatTTSEngine:
         self.decode_ms: dict[str, float] = {}  # decode dtype -> ms of the load-time probe
         # the DVAE decoder and vocos with their matmul weights in bf16 (bf16_decoder)
         self._bf16_decoder: tuple[Any, Any] | None = None
+        # the same with their Linear layers int8 (int8_decoder)
+        self._int8_decoder: tuple[Any, Any] | None = None
 
     @property
     def info(self) -> EngineInfo:
@@ -247,49 +252,65 @@ class ChatTTSEngine:
             self.thread_tuner = ThreadTuner(choices, torch.set_num_threads)
 
     def _choose_decode_dtype(self) -> None:
-        """The decoder (DVAE decoder and vocos) in bf16 (:func:`bf16_decoder`) where that
-        measures faster: one 4-row decode of 40-token windows, fp32 and bf16 interleaved,
-        best of 3. Only for the lossy weight precisions (BF16_DECODE_DTYPES). Measured on
-        a Sapphire Rapids Xeon (2 threads, shared): 0.055 -> 0.029 s per second of audio
-        at 4 rows, 0.084 -> 0.069 at 1 (under autocast, which cast the weights again at
-        every decode, 12 ms of each); decoded audio 41 dB from the fp32 decode (random
-        weights), above int8's 32 dB and int4's 23 dB from the fp32 GPT."""
+        """The decoder's precision (DVAE decoder and vocos), measured at load for the lossy
+        weight precisions only (BF16_DECODE_DTYPES): fp32, bf16 (:func:`bf16_decoder`) or
+        int8 (:func:`int8_decoder`). One 4-row decode of 40-token windows each,
+        interleaved, best of 3; the faster of fp32 and bf16, and int8 only where it is
+        ``INT8_DECODE_MARGIN`` times faster than that (its audio is further from fp32's).
+
+        Measured on a Sapphire Rapids Xeon (2 threads, shared): bf16 0.055 -> 0.029 s per
+        second of audio at 4 rows, 0.084 -> 0.069 at 1; decoded audio 41 dB from the fp32
+        decode (random weights), above int8's 32 dB and int4's 23 dB from the fp32 GPT. On
+        a Xeon without AMX/AVX512-BF16 (model 207, quiet), bf16 is 2.3-4x slower than
+        fp32 and int8 2x faster (ms: 1 x 24 tokens fp32 36, int8 18, bf16 84; 4 x 24: 76,
+        39, 275; 4 x 48: 128, 62, 522), int8's audio 33 dB from fp32's."""
         import torch
 
-        self._bf16_decoder = bf16_decoder(self.chat)
         hidden = int(self.chat.gpt.gpt.config.hidden_size)
         gen = torch.Generator().manual_seed(0)
         windows = [torch.randn(40, hidden, generator=gen) for _ in range(4)]
-        best = {"fp32": float("inf"), "bf16": float("inf")}
-        for _ in range(4):  # the first pass warms both up
+        self._bf16_decoder = bf16_decoder(self.chat)
+        self._int8_decoder = int8_decoder(self.chat)
+        best = {"fp32": float("inf"), "bf16": float("inf"), "int8": float("inf")}
+        for _ in range(4):  # the first pass warms them up
             for name in best:
                 t0 = time.perf_counter()
                 self._decode([w.clone() for w in windows], name)
                 best[name] = min(best[name], 1000 * (time.perf_counter() - t0))
         self.decode_ms = best
-        self.decode_dtype = min(best, key=lambda k: best[k])
+        near = min(("fp32", "bf16"), key=lambda k: best[k])
+        self.decode_dtype = "int8" if best["int8"] * INT8_DECODE_MARGIN < best[near] else near
         if self.decode_dtype != "bf16":
             self._bf16_decoder = None
-        logger.info("decoder in %s (4 x 40 tokens: fp32 %.0f ms, bf16 %.0f ms)",
-                    self.decode_dtype, best["fp32"], best["bf16"])
+        if self.decode_dtype != "int8":
+            self._int8_decoder = None
+        logger.info("decoder in %s (4 x 40 tokens: fp32 %.0f ms, bf16 %.0f ms, int8 %.0f ms)",
+                    self.decode_dtype, best["fp32"], best["bf16"], best["int8"])
 
     def _decode(self, windows: list[Any], dtype: str | None = None) -> Any:
         """Hidden-state windows (tokens, hidden) -> waveforms (rows, samples), as ChatTTS's
         ``_decode_to_wavs``, in ``dtype`` (default: the chosen ``decode_dtype``)."""
         import torch
 
-        if (dtype or self.decode_dtype) != "bf16":
+        dtype = dtype or self.decode_dtype
+        if dtype not in ("bf16", "int8"):
             return self.chat._decode_to_wavs(windows, True)
-        bf16 = self._bf16_decoder
-        if bf16 is None:  # decode_dtype set by hand (tests, bench kernels)
-            bf16 = self._bf16_decoder = bf16_decoder(self.chat)
-        decoder, vocos = bf16
+        if dtype == "bf16":
+            twins = self._bf16_decoder
+            if twins is None:  # decode_dtype set by hand (tests, bench kernels)
+                twins = self._bf16_decoder = bf16_decoder(self.chat)
+        else:
+            twins = self._int8_decoder
+            if twins is None:
+                twins = self._int8_decoder = int8_decoder(self.chat)
+        decoder, vocos = twins
         width = max(int(w.shape[0]) for w in windows)
         batch = torch.zeros(len(windows), int(windows[0].shape[1]), width,
                             dtype=windows[0].dtype, device=windows[0].device)
         for i, w in enumerate(windows):
             batch[i, :, : w.shape[0]] = w.T
-        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16,
+                                                    enabled=dtype == "bf16"):
             return vocos.decode(decoder(batch)).float().cpu().numpy()
 
     def _load_first(self, chat_class: Any, torch: Any) -> tuple[Any, Any]:
@@ -694,6 +715,28 @@ def bf16_decoder(chat: Any) -> tuple[Any, Any]:
                 m.weight.data = m.weight.data.to(torch.bfloat16)
                 if m.bias is not None:
                     m.bias.data = m.bias.data.to(torch.bfloat16)
+        out.append(twin)
+    return out[0], out[1]
+
+
+def int8_decoder(chat: Any) -> tuple[Any, Any]:
+    """Copies of ChatTTS's DVAE decoder and vocos whose Linear layers (the ConvNeXt
+    blocks' pointwise layers and vocos's head: most of a decode's arithmetic) are fbgemm's
+    dynamic quantized int8 linears, per output channel (activations quantized per call:
+    a decode's rows share one scale). Convolutions, norms and the ISTFT stay fp32."""
+    import copy
+    import warnings
+
+    import torch
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    out = []
+    for module in (chat.decoder, chat.vocos):
+        twin = copy.deepcopy(module).requires_grad_(False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao's deprecation notice
+            twin = quantize_dynamic(  # type: ignore[no-untyped-call]
+                twin, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
         out.append(twin)
     return out[0], out[1]
 

@@ -35,6 +35,8 @@ Paths:
                 CPUs, where torch's int8pack kernel is slow; its activation scale is
                 shared by the rows of one call, so batch neighbours nudge each other
 
+``int4``'s prefill is also offered ``int8dyn`` (``_PREFILL_ONLY``).
+
 ``--dtype auto`` (the default) offers the fp32 paths, ``bf16`` and ``bf16p``: bf16 weights
 where they measure faster (on CPUs with AVX-512 BF16 / AMX), fp32 elsewhere. ``int8`` and
 ``int4`` offer ``bf16p`` too, which prefill (64 rows, compute-bound) usually picks.
@@ -64,6 +66,15 @@ _CANDIDATES = {"auto": ("linear", "transposed", "bf16", "bf16p"),
                "fp32": ("linear", "transposed"), "bf16": ("bf16", "bf16p", "linear"),
                "int8": ("int8bf", "int8", "int8dyn", "bf16p", "linear"),
                "int4": ("int4", "int8bf", "bf16p", "linear")}
+# Paths offered to prefill only (PREFILL_ROWS), beside the dtype's own candidates. int4's
+# prefill on a CPU without native bf16 had only fp32 F.linear and the int kernels, which
+# are slow at many rows; fbgemm's dynamic int8 (VNNI) is compute-bound there and fast.
+# Measured on a 2-core Xeon without AMX/AVX512-BF16 (model 207), the GPT's 80 linears
+# (ms, 3 rounds): 64 rows linear 120-153, int8dyn 36-69, int4 178-226; 242 rows (an
+# anchored prompt) linear 340-412, int8dyn 110-154, int4 681-762. Not offered to decode
+# row counts: an int8 step of 1-4 rows is not faster than int4 there, and a compiled step
+# would have to trace fbgemm's quantized module.
+_PREFILL_ONLY = {"int4": ("int8dyn",)}
 # int4 group size: 32 input channels per (scale, zero). Measured on full-size random
 # weights (Sapphire Rapids, 2 threads): group 32 is as fast as 64 or 128 at 1-4 rows and
 # the most accurate (weight cosine 0.997 vs 0.995 at 128), so nothing is gained by larger.
@@ -340,12 +351,15 @@ def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "c
     candidates: tuple[str, ...] = _CANDIDATES[dtype]
     if device != "cpu":  # GPU: plain F.linear in the precision (int8 kernels are CPU-only)
         candidates = ("linear",) if dtype in ("fp32", "auto") else ("bf16",)
+    prefill_only: tuple[str, ...] = ()
     if force:
         candidates = (force,)
-    elif device == "cpu" and not bf16p_available():
-        candidates = tuple(p for p in candidates if p != "bf16p")
-    weights = [_Weights(m, set(candidates)) for m in mods]
-    wbytes = {p: sum(_path_bytes(p, m) for m in mods) for p in candidates}
+    elif device == "cpu":
+        if not bf16p_available():
+            candidates = tuple(p for p in candidates if p != "bf16p")
+        prefill_only = tuple(p for p in _PREFILL_ONLY.get(dtype, ()) if p not in candidates)
+    weights = [_Weights(m, {*candidates, *prefill_only}) for m in mods]
+    wbytes = {p: sum(_path_bytes(p, m) for m in mods) for p in (*candidates, *prefill_only)}
     shapes = [int(m.in_features) for m in mods]
     # Time a prefix of the layers holding >= TIMED_BYTES of fp32 weights: still far
     # beyond the caches (so weights stream from memory as in a real step), a fraction of
@@ -364,8 +378,13 @@ def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "c
             fn = _path_fn(path)
             table.ms[path] = {r: _time_path(timed_w, fn, r, timed_shapes, repeat)
                               for r in rows_range}
+        for path in prefill_only:
+            table.ms[path] = {PREFILL_ROWS: _time_path(timed_w, _path_fn(path), PREFILL_ROWS,
+                                                       timed_shapes, repeat)}
         for r in rows_range:
             table.chosen[r] = min(candidates, key=lambda p: table.ms[p][r])
+        table.chosen[PREFILL_ROWS] = min((*candidates, *prefill_only),
+                                         key=lambda p: table.ms[p][PREFILL_ROWS])
         multi = [r for r in rows_range if 2 <= r <= max_rows]
         if uniform and multi:
             # the least worst slowdown against each count's fastest path: a sum let bf16p

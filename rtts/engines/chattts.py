@@ -149,10 +149,9 @@ class ChatTTSEngine:
         self._prefill_window = [0.0, 0.0]  # prefill seconds, audio seconds, this window
         self.decode_dtype = "fp32"  # the decoder's precision (_choose_decode_dtype)
         self.decode_ms: dict[str, float] = {}  # decode dtype -> ms of the load-time probe
-        # the DVAE decoder and vocos with their matmul weights in bf16 (bf16_decoder)
-        self._bf16_decoder: tuple[Any, Any] | None = None
-        # the same with their Linear layers int8 (int8_decoder)
-        self._int8_decoder: tuple[Any, Any] | None = None
+        # decode dtype -> twins of the DVAE decoder and vocos in it (DECODER_TWINS), made
+        # when first needed; only the chosen one is kept after the load-time probe
+        self._decoders: dict[str, tuple[Any, Any]] = {}
 
     @property
     def info(self) -> EngineInfo:
@@ -269,8 +268,6 @@ class ChatTTSEngine:
         hidden = int(self.chat.gpt.gpt.config.hidden_size)
         gen = torch.Generator().manual_seed(0)
         windows = [torch.randn(40, hidden, generator=gen) for _ in range(4)]
-        self._bf16_decoder = bf16_decoder(self.chat)
-        self._int8_decoder = int8_decoder(self.chat)
         best = {"fp32": float("inf"), "bf16": float("inf"), "int8": float("inf")}
         for _ in range(4):  # the first pass warms them up
             for name in best:
@@ -280,10 +277,7 @@ class ChatTTSEngine:
         self.decode_ms = best
         near = min(("fp32", "bf16"), key=lambda k: best[k])
         self.decode_dtype = "int8" if best["int8"] * INT8_DECODE_MARGIN < best[near] else near
-        if self.decode_dtype != "bf16":
-            self._bf16_decoder = None
-        if self.decode_dtype != "int8":
-            self._int8_decoder = None
+        self._decoders = {k: v for k, v in self._decoders.items() if k == self.decode_dtype}
         logger.info("decoder in %s (4 x 40 tokens: fp32 %.0f ms, bf16 %.0f ms, int8 %.0f ms)",
                     self.decode_dtype, best["fp32"], best["bf16"], best["int8"])
 
@@ -293,16 +287,12 @@ class ChatTTSEngine:
         import torch
 
         dtype = dtype or self.decode_dtype
-        if dtype not in ("bf16", "int8"):
+        make = DECODER_TWINS.get(dtype)
+        if make is None:
             return self.chat._decode_to_wavs(windows, True)
-        if dtype == "bf16":
-            twins = self._bf16_decoder
-            if twins is None:  # decode_dtype set by hand (tests, bench kernels)
-                twins = self._bf16_decoder = bf16_decoder(self.chat)
-        else:
-            twins = self._int8_decoder
-            if twins is None:
-                twins = self._int8_decoder = int8_decoder(self.chat)
+        twins = self._decoders.get(dtype)
+        if twins is None:  # the probe, or decode_dtype set by hand (tests, bench kernels)
+            twins = self._decoders[dtype] = make(self.chat)
         decoder, vocos = twins
         width = max(int(w.shape[0]) for w in windows)
         batch = torch.zeros(len(windows), int(windows[0].shape[1]), width,
@@ -722,23 +712,19 @@ def bf16_decoder(chat: Any) -> tuple[Any, Any]:
 def int8_decoder(chat: Any) -> tuple[Any, Any]:
     """Copies of ChatTTS's DVAE decoder and vocos whose Linear layers (the ConvNeXt
     blocks' pointwise layers and vocos's head: most of a decode's arithmetic) are fbgemm's
-    dynamic quantized int8 linears, per output channel (activations quantized per call:
-    a decode's rows share one scale). Convolutions, norms and the ISTFT stay fp32."""
+    dynamic quantized int8 linears (:func:`kernels.dynamic_int8`; activations quantized
+    per call: a decode's rows share one scale). Convolutions, norms and the ISTFT stay
+    fp32."""
     import copy
-    import warnings
 
-    import torch
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+    twins = [kernels.dynamic_int8(copy.deepcopy(m).requires_grad_(False))
+             for m in (chat.decoder, chat.vocos)]
+    return twins[0], twins[1]
 
-    out = []
-    for module in (chat.decoder, chat.vocos):
-        twin = copy.deepcopy(module).requires_grad_(False)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.ao's deprecation notice
-            twin = quantize_dynamic(  # type: ignore[no-untyped-call]
-                twin, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
-        out.append(twin)
-    return out[0], out[1]
+
+# decode dtypes other than fp32 -> the function that makes their decoder twins
+DECODER_TWINS: dict[str, Callable[[Any], tuple[Any, Any]]] = {"bf16": bf16_decoder,
+                                                              "int8": int8_decoder}
 
 
 def _bake_weight_norm(chat: Any) -> None:

@@ -56,7 +56,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DTYPES", "KernelTable", "choose_kv_dtype", "install", "linears"]
+__all__ = ["DTYPES", "KernelTable", "choose_kv_dtype", "dynamic_int8", "install",
+           "linears"]
 
 logger = logging.getLogger("rtts.kernels")
 
@@ -241,20 +242,27 @@ def _bf16p_library() -> Any:
     return lib
 
 
-def _dynamic_int8(module: Any) -> Any:
-    """fbgemm's dynamic quantized linear for ``module`` (per-channel int8 weights)."""
+def dynamic_int8(module: Any) -> Any:
+    """``module`` with its ``nn.Linear`` layers swapped for fbgemm's dynamic quantized int8
+    linears, per output channel (``torch.ao``'s ``quantize_dynamic``, in place)."""
     import warnings
 
     import torch
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's deprecation notice
+        return quantize_dynamic(  # type: ignore[no-untyped-call]
+            module, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+
+
+def _dynamic_int8(module: Any) -> Any:
+    """fbgemm's dynamic quantized linear for ``module`` (per-channel int8 weights)."""
+    import torch
+
     copy = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
     copy.load_state_dict({k: v.float() for k, v in module.state_dict().items()})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return quantize_dynamic(  # type: ignore[no-untyped-call]
-            torch.nn.Sequential(copy), {torch.nn.Linear: per_channel_dynamic_qconfig},
-            dtype=torch.qint8)[0]
+    return dynamic_int8(torch.nn.Sequential(copy))[0]
 
 
 def _path_fn(path: str, native: bool = False) -> Callable[[_Weights, Any], Any]:

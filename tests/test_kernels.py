@@ -239,3 +239,59 @@ def test_fused_projections_compute_what_the_separate_ones_did():
         assert torch.allclose(model.layers[1].mlp.up_proj(x), parts[1], atol=1e-6)
         got = model(inputs_embeds=x).last_hidden_state
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_int8dyn_compiles_into_one_graph_as_an_opaque_op():
+    """``int8dyn`` (fbgemm's dynamic int8 linear, a module with TorchScript packed weights)
+    inside torch.compile: called as ``rtts::int8dyn_linear``, so the graph has no break
+    (fullgraph) and computes what the eager path computes."""
+    model = _model()
+    table = kernels.install(model, "int8", max_rows=4, force="int8dyn")
+    assert set(table.chosen.values()) == {"int8dyn"}
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for rows in (2, 3):
+            x = torch.randn(rows, 256)
+            assert torch.allclose(compiled(x), model(x), atol=1e-5)
+
+
+def test_decode_attention_computes_what_masked_sdpa_computes():
+    """``decode_attention`` (one new token, written as reductions for a compiled step)
+    against SDPA with the same slot mask, over fp32 and bf16 keys/values, eager and
+    compiled; masked columns (other rows' slots) do not count."""
+    torch.manual_seed(0)
+    rows, heads, columns, d = 3, 4, 37, 16
+    q = torch.randn(rows, heads, 1, d)
+    k, v = torch.randn(rows, heads, columns, d), torch.randn(rows, heads, columns, d)
+    mask = torch.rand(rows, 1, 1, columns) > 0.3
+    mask[..., -1] = True  # every row sees its own new column
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                            scale=0.25)
+    compiled = torch.compile(kernels.decode_attention, fullgraph=True, dynamic=True)
+    for fn in (kernels.decode_attention, compiled):
+        assert torch.allclose(fn(q, k, v, mask, 0.25), want, atol=1e-5)
+        got = fn(q, k.bfloat16(), v.bfloat16(), mask, 0.25)  # read as bf16, summed in fp32
+        assert got.dtype == torch.float32
+        assert torch.allclose(got, want, atol=3e-2)
+    mask[0, ..., 0] = False  # a column row 0 does not see: changing it changes nothing
+    k2, v2 = k.clone(), v.clone()
+    k2[0, :, 0] += 100.0
+    v2[0, :, 0] -= 100.0
+    assert torch.allclose(kernels.decode_attention(q, k2, v2, mask, 0.25),
+                          kernels.decode_attention(q, k, v, mask, 0.25), atol=1e-6)
+
+
+def test_kv_precision_for_a_compiled_step_times_both_ways_of_reading():
+    """With a compiled decode step the keys/values' precision is decided by the compiled
+    reductions' times; SDPA's are kept, and where bf16 SDPA is the slower one, prefill
+    (SDPA) reads the bf16 buffer upcast to fp32 (``sdpa_dtype``)."""
+    kv, us = kernels.choose_kv_dtype("int4", layers=2, heads=2, head_dim=16, rows=2,
+                                      columns=32, repeat=1, compiled=True)
+    assert set(us) == {"fp32", "bf16", "sdpa_fp32", "sdpa_bf16"}
+    assert kv == min(("fp32", "bf16"), key=lambda k: us[k])
+    assert kernels.sdpa_dtype(kv, us) in {"fp32", kv}
+    assert kernels.sdpa_dtype("bf16", {"sdpa_fp32": 1.0, "sdpa_bf16": 2.0}) == "fp32"
+    assert kernels.sdpa_dtype("bf16", {"sdpa_fp32": 2.0, "sdpa_bf16": 1.0}) == "bf16"
+    assert kernels.sdpa_dtype("bf16", {"fp32": 2.0, "bf16": 1.0}) == "bf16"  # eager: timed SDPA
+    assert kernels.sdpa_dtype("fp32", {}) == "fp32"
+    assert kernels.choose_kv_dtype("fp32", 2, 2, 16, 2, compiled=True) == ("fp32", {})

@@ -214,10 +214,11 @@ class ChatTTSEngine:
             kv, kv_us = kernels.choose_kv_dtype(
                 "fp32" if exact else cfg.dtype, g.num_hidden_layers, g.num_key_value_heads,
                 head_dim, rows=min(4, max(1, cfg.batch_rows)),
-                device="cpu" if self.device == "cpu" else "cuda")
+                device="cpu" if self.device == "cpu" else "cuda", compiled=cfg.compile)
             self.kernel_table.kv_dtype, self.kernel_table.kv_us = kv, kv_us
             if kv_us:
-                logger.info("GPT keys/values in %s (SDPA us per layer: %s)", kv,
+                logger.info("GPT keys/values in %s (%s us per layer: %s)", kv,
+                            "compiled attention" if cfg.compile else "SDPA",
                             ", ".join(f"{k} {v:.0f}" for k, v in kv_us.items()))
         self.chat = chat
         self.model_path = str(path)
@@ -549,10 +550,14 @@ class ChatTTSEngine:
         import torch
 
         table = self.kernel_table
-        kv = None if table is None else getattr(torch, kernels.KV_DTYPES[table.kv_dtype])
+        kv = sdpa = None
+        if table is not None:
+            kv = getattr(torch, kernels.KV_DTYPES[table.kv_dtype])
+            sdpa = getattr(torch, kernels.KV_DTYPES[kernels.sdpa_dtype(table.kv_dtype,
+                                                                       table.kv_us)])
         return BatchedGpt(chat.gpt, chat.config.gpt.num_vq,
                           eos_token=chat.config.gpt.num_audio_tokens - 1, slots=slots,
-                          kv_dtype=kv, decode=self.compiled)
+                          kv_dtype=kv, decode=self.compiled, sdpa_dtype=sdpa)
 
     def generate(self, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:
         """A fixed batch: every row starts together, nobody joins (static batching)."""

@@ -47,6 +47,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rtts.engines.kernels import decode_attention
+
 __all__ = ["BatchedGpt", "CompiledDecode", "GptRow", "RowSpec", "ThreadTuner",
            "fuse_projections"]
 
@@ -195,7 +197,7 @@ class BatchedGpt:
 
     def __init__(self, gpt: Any, num_vq: int, eos_token: int, slots: int,
                  penalty: float = 1.05, columns: int = 256, kv_dtype: Any = None,
-                 decode: CompiledDecode | None = None) -> None:
+                 decode: CompiledDecode | None = None, sdpa_dtype: Any = None) -> None:
         import torch
 
         self.gpt = gpt  # ChatTTS.model.GPT (loaded)
@@ -220,6 +222,9 @@ class BatchedGpt:
         # keys/values (and the queries that read them) in ``kv_dtype``: bf16 halves the
         # bytes attention streams per step (see choose_kv_dtype); lean loop only
         self.kv_dtype = kv_dtype if kv_dtype is not None and self.lean else self.dtype
+        # the precision SDPA reads them in (prefill, eager decode): kv_dtype, or fp32 where
+        # bf16 SDPA is slower (kernels.sdpa_dtype); a compiled CPU step reads kv_dtype
+        self.sdpa_dtype = sdpa_dtype if sdpa_dtype is not None and self.lean else self.kv_dtype
         # fused projections (fuse_projections): one matmul for q/k/v, one for gate/up
         self.fused = self.lean and all(hasattr(layer.self_attn, "rtts_qkv")
                                        and hasattr(layer.mlp, "rtts_gate_up")
@@ -359,10 +364,17 @@ class BatchedGpt:
             kb, vb = self.keys[i], self.values[i]
             kb[rows, :, write:end] = qk[:, heads:]
             vb[rows, :, write:end] = v
-            qh = qk[:, :heads].to(kv) if cast else qk[:, :heads]
-            o = F.scaled_dot_product_attention(qh, kb[rows, :, read:end],
-                                               vb[rows, :, read:end], attn_mask=mask,
-                                               scale=attn.scaling)
+            k_read, v_read = kb[rows, :, read:end], vb[rows, :, read:end]
+            if compiling and q == 1 and h.device.type == "cpu":
+                # CompiledDecode on a CPU: reductions that read the kv buffer as it is
+                # (kernels.decode_attention); a GPU keeps SDPA's fused kernels
+                o = decode_attention(qk[:, :heads], k_read, v_read, mask, attn.scaling)
+            else:
+                sd = self.sdpa_dtype
+                if sd != kv:  # (a copy of these rows' columns, in the precision SDPA is fast in)
+                    k_read, v_read = k_read.to(sd), v_read.to(sd)
+                o = F.scaled_dot_product_attention(qk[:, :heads].to(sd), k_read, v_read,
+                                                   attn_mask=mask, scale=attn.scaling)
             if solo:
                 torch.set_num_threads(threads)
             # The kernels' own output dtype where they have one (kernels.rtts_native: bf16

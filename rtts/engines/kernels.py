@@ -56,8 +56,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DTYPES", "KernelTable", "choose_kv_dtype", "dynamic_int8", "install",
-           "linears"]
+__all__ = ["DTYPES", "KernelTable", "choose_kv_dtype", "decode_attention", "dynamic_int8",
+           "install", "linears", "sdpa_dtype"]
 
 logger = logging.getLogger("rtts.kernels")
 
@@ -73,8 +73,10 @@ _CANDIDATES = {"auto": ("linear", "transposed", "bf16", "bf16p"),
 # Measured on a 2-core Xeon without AMX/AVX512-BF16 (model 207), the GPT's 80 linears
 # (ms, 3 rounds): 64 rows linear 120-153, int8dyn 36-69, int4 178-226; 242 rows (an
 # anchored prompt) linear 340-412, int8dyn 110-154, int4 681-762. Not offered to decode
-# row counts: an int8 step of 1-4 rows is not faster than int4 there, and a compiled step
-# would have to trace fbgemm's quantized module.
+# row counts: in eager timing of the layers alone it is (4 rows: 2.8 ms against int4's 3.4),
+# but in a compiled decode step (through ``rtts::int8dyn_linear``, which quantizes the
+# activations and cannot fuse with its neighbours) the 4-row step measured 21-27 ms at 78
+# columns against int4's 18.0-18.1, and 27-31 against 23-24 at 338 columns.
 _PREFILL_ONLY = {"int4": ("int8dyn",)}
 # int4 group size: 32 input channels per (scale, zero). Measured on full-size random
 # weights (Sapphire Rapids, 2 threads): group 32 is as fast as 64 or 128 at 1-4 rows and
@@ -156,6 +158,7 @@ class _Weights:
         import torch
 
         w = module.weight.detach()
+        self.out_features = int(w.shape[0])
         self.bias = None if module.bias is None else module.bias.detach().float()
         self.fp32: Any = w.float().contiguous() if paths & {"linear", "transposed"} else None
         self.bf16: Any = w.to(torch.bfloat16).contiguous() if "bf16" in paths else None
@@ -171,8 +174,16 @@ class _Weights:
             self.scales_bf = self.scales.to(torch.bfloat16)
         if "int4" in paths:
             self.q4, self.sz4 = _quantize_int4(w, INT4_GROUP)
+        self.qdyn_index = -1
         if "int8dyn" in paths:
             self.qdyn = _dynamic_int8(module)
+            self.qdyn_index = len(_INT8DYN)
+            _INT8DYN.append(self.qdyn)
+
+    def drop_int8dyn(self) -> None:
+        if self.qdyn_index >= 0:
+            _INT8DYN[self.qdyn_index] = None
+        self.qdyn, self.qdyn_index = None, -1
 
 
 def bf16p_available() -> bool:
@@ -256,6 +267,33 @@ def dynamic_int8(module: Any) -> Any:
             module, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
 
 
+# fbgemm's dynamic int8 linears by index, for ``rtts::int8dyn_linear`` (a compiled step
+# cannot trace the module, whose packed weights are a TorchScript object)
+_INT8DYN: list[Any] = []
+
+
+def _int8dyn_mm(x: Any, index: int, n: int) -> Any:
+    return _INT8DYN[index](x)
+
+
+@functools.cache
+def _int8dyn_library() -> Any:
+    """Defines ``rtts::int8dyn_linear(x, index, n)``: the ``index``-th fbgemm dynamic int8
+    linear (``n`` outputs) as an opaque op, so a compiled decode step (gpt_loop's
+    CompiledDecode) calls it as one node instead of breaking its graph at every layer."""
+    import torch
+
+    def fake(x: Any, index: int, n: int) -> Any:
+        return x.new_empty((x.shape[0], n))
+
+    library: Any = torch.library  # (untyped)
+    lib = library.Library("rtts", "FRAGMENT")
+    lib.define("int8dyn_linear(Tensor x, int index, int n) -> Tensor")
+    lib.impl("int8dyn_linear", _int8dyn_mm, "CompositeExplicitAutograd")
+    torch.library.register_fake("rtts::int8dyn_linear", fake, lib=lib)
+    return lib
+
+
 def _dynamic_int8(module: Any) -> Any:
     """fbgemm's dynamic quantized linear for ``module`` (per-channel int8 weights)."""
     import torch
@@ -309,7 +347,14 @@ def _path_fn(path: str, native: bool = False) -> Callable[[_Weights, Any], Any]:
         return out(w, torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), w.q4, INT4_GROUP, w.sz4))
 
+    dyn: Any = None
+    if path == "int8dyn":
+        _int8dyn_library()
+        dyn = torch.ops.rtts.int8dyn_linear.default
+
     def int8dyn(w: _Weights, x: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return dyn(x.float(), w.qdyn_index, w.out_features)
         return w.qdyn(x.float())
 
     paths = {"linear": linear, "transposed": transposed, "bf16": bf16, "bf16p": bf16p,
@@ -418,7 +463,7 @@ def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "c
         if "int4" not in used:
             w.q4 = w.sz4 = None
         if "int8dyn" not in used:
-            w.qdyn = None
+            w.drop_int8dyn()
     fns = {p: _path_fn(p) for p in used}
     natives = {p: _path_fn(p, native=True) for p in used}
     by_rows = {r: fns[p] for r, p in table.chosen.items() if r != PREFILL_ROWS}
@@ -478,9 +523,44 @@ def _patch(module: Any, w: _Weights, by_rows: dict[int, Callable[[_Weights, Any]
 KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
+def decode_attention(q: Any, k: Any, v: Any, mask: Any, scale: float) -> Any:
+    """One new token's attention, written as reductions for ``torch.compile``: ``q``
+    (rows, heads, 1, d) fp32, keys/values (rows, heads, columns, d) in their buffer's
+    dtype, ``mask`` (rows, 1, 1, columns) bool. Inductor fuses each reduction with the
+    upcast of the keys or values it reads, so a bf16 buffer is read as bf16 (half the
+    bytes) and summed in fp32, with no fp32 copy in between.
+
+    A decode step's attention streams every layer's keys and values of every row: at 4
+    rows and 200 columns, 99 MB in fp32, more than int4's weights. Measured on a 2-core
+    Xeon without AVX512-BF16 (model 207), 20 layers at 4 rows (ms, best of 8): 201
+    columns SDPA fp32 4.4 eager / 4.8 compiled, these reductions 3.5 in fp32 and 1.7 over
+    bf16; 384 columns 11.3 / 9.3, 8.5 and 4.0. (SDPA over bf16 there is 2-3x slower than
+    fp32: oneDNN emulates bf16 without native instructions.)"""
+    scores = (q * k.float()).sum(-1).unsqueeze(-2) * scale  # (rows, heads, 1, columns)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    p = scores.softmax(-1).transpose(-1, -2)  # (rows, heads, columns, 1)
+    return (p * v.float()).sum(-2, keepdim=True)  # (rows, heads, 1, d)
+
+
+def _attention_probe(kv: Sequence[tuple[Any, Any]], q: Any, mask: Any) -> Any:
+    out = q
+    for k, v in kv:
+        out = out + decode_attention(q, k, v, mask, 0.125)
+    return out
+
+
+def sdpa_dtype(kv: str, us: dict[str, float]) -> str:
+    """The precision SDPA (prefill, and an eager decode step) reads ``kv`` keys/values
+    in: ``kv``, or fp32 where :func:`choose_kv_dtype` timed bf16 SDPA slower (a compiled
+    step chose bf16 on a CPU that emulates bf16: the columns are upcast first)."""
+    if kv == "bf16" and us.get("sdpa_bf16", 0.0) > us.get("sdpa_fp32", float("inf")):
+        return "fp32"
+    return kv
+
+
 def choose_kv_dtype(dtype: str, layers: int, heads: int, head_dim: int, rows: int,
-                    columns: int = 256, device: str = "cpu", repeat: int = 4
-                    ) -> tuple[str, dict[str, float]]:
+                    columns: int = 256, device: str = "cpu", repeat: int = 4,
+                    compiled: bool = False) -> tuple[str, dict[str, float]]:
     """The precision of the GPT's keys/values: ``fp32``, or ``bf16`` where it measures
     faster; returns (choice, us per layer of each candidate).
 
@@ -491,6 +571,12 @@ def choose_kv_dtype(dtype: str, layers: int, heads: int, head_dim: int, rows: in
     160-300 columns against 244-791 us in fp32. So for every ``dtype`` but ``fp32``
     (which stays exact) both are timed here, at ``rows`` rows, cycling through
     ``layers`` buffers so each read comes from memory, and the faster is kept.
+
+    ``compiled`` (a compiled decode step, which reads them through
+    :func:`decode_attention`): that function is compiled and timed too, on the threads
+    the step has, and decides; SDPA's times come back as ``sdpa_fp32`` and ``sdpa_bf16``
+    (for :func:`sdpa_dtype`). On a 2-core Xeon without AVX512-BF16, bf16 there is 2x
+    faster than fp32 where bf16 SDPA is 2.5x slower.
     """
     if dtype == "fp32" or device != "cpu":
         return "fp32", {}
@@ -518,4 +604,15 @@ def choose_kv_dtype(dtype: str, layers: int, heads: int, head_dim: int, rows: in
                     us[name] = min(us[name], 1e6 * (time.perf_counter() - t0) / layers)
     finally:
         torch.set_num_threads(threads)
-    return min(us, key=lambda k: us[k]), us
+    if not compiled:
+        return min(us, key=lambda k: us[k]), us
+    sdpa = {f"sdpa_{name}": t for name, t in us.items()}
+    us = {name: float("inf") for name in bufs}
+    probe = torch.compile(_attention_probe, dynamic=False)
+    with torch.no_grad():
+        for _ in range(repeat + 2):  # the first round compiles, one per dtype
+            for name, (q, kv) in bufs.items():
+                t0 = time.perf_counter()
+                probe(kv, q.float(), mask)
+                us[name] = min(us[name], 1e6 * (time.perf_counter() - t0) / layers)
+    return min(us, key=lambda k: us[k]), {**us, **sdpa}

@@ -233,23 +233,36 @@ def prepack_linear(module: Any) -> None:
 
 
 @functools.cache
-def _bf16p_library() -> Any:
-    """Defines ``rtts::bf16p_linear`` (:func:`_bf16p_mm` as an opaque op) for a compiled
-    step: inductor lowers the mkldnn op only for weights it packed itself (graph constants
-    under freezing), so the compiled graph calls this one instead, and fuses the
-    conversions around it. Cached: the registrations live as long as the library."""
+def _library() -> Any:
+    """Defines rtts's opaque ops for a compiled step. Cached: the registrations live as
+    long as the library.
+
+    - ``rtts::bf16p_linear(x, w)`` (:func:`_bf16p_mm`): inductor lowers the mkldnn op
+      only for weights it packed itself (graph constants under freezing), so the compiled
+      graph calls this one instead, and fuses the conversions around it;
+    - ``rtts::int8dyn_linear(x, index, n)``: the ``index``-th fbgemm dynamic int8 linear
+      (``n`` outputs, :data:`_INT8DYN`), whose packed weights are a TorchScript object a
+      compiled step cannot trace: one node instead of a graph break at every layer."""
     import torch
 
-    def fake(x: Any, w: Any) -> Any:
+    def bf16p_fake(x: Any, w: Any) -> Any:
         return x.new_empty((x.shape[0], w.shape[0]))
+
+    def int8dyn_fake(x: Any, index: int, n: int) -> Any:
+        return x.new_empty((x.shape[0], n))
 
     # torch.library.Library rather than custom_op: its dispatch costs ~1 us a call
     # against ~7 (80 calls a step)
     library: Any = torch.library  # (untyped)
     lib = library.Library("rtts", "DEF")
-    lib.define("bf16p_linear(Tensor x, Tensor w) -> Tensor")
-    lib.impl("bf16p_linear", _bf16p_mm, "CompositeExplicitAutograd")
-    torch.library.register_fake("rtts::bf16p_linear", fake, lib=lib)
+    for schema, impl, fake in (
+            ("bf16p_linear(Tensor x, Tensor w) -> Tensor", _bf16p_mm, bf16p_fake),
+            ("int8dyn_linear(Tensor x, int index, int n) -> Tensor", _int8dyn_mm,
+             int8dyn_fake)):
+        name = schema.split("(", 1)[0]
+        lib.define(schema)
+        lib.impl(name, impl, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"rtts::{name}", fake, lib=lib)
     return lib
 
 
@@ -267,31 +280,12 @@ def dynamic_int8(module: Any) -> Any:
             module, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
 
 
-# fbgemm's dynamic int8 linears by index, for ``rtts::int8dyn_linear`` (a compiled step
-# cannot trace the module, whose packed weights are a TorchScript object)
+# fbgemm's dynamic int8 linears by index, for ``rtts::int8dyn_linear`` (see _library)
 _INT8DYN: list[Any] = []
 
 
 def _int8dyn_mm(x: Any, index: int, n: int) -> Any:
     return _INT8DYN[index](x)
-
-
-@functools.cache
-def _int8dyn_library() -> Any:
-    """Defines ``rtts::int8dyn_linear(x, index, n)``: the ``index``-th fbgemm dynamic int8
-    linear (``n`` outputs) as an opaque op, so a compiled decode step (gpt_loop's
-    CompiledDecode) calls it as one node instead of breaking its graph at every layer."""
-    import torch
-
-    def fake(x: Any, index: int, n: int) -> Any:
-        return x.new_empty((x.shape[0], n))
-
-    library: Any = torch.library  # (untyped)
-    lib = library.Library("rtts", "FRAGMENT")
-    lib.define("int8dyn_linear(Tensor x, int index, int n) -> Tensor")
-    lib.impl("int8dyn_linear", _int8dyn_mm, "CompositeExplicitAutograd")
-    torch.library.register_fake("rtts::int8dyn_linear", fake, lib=lib)
-    return lib
 
 
 def _dynamic_int8(module: Any) -> Any:
@@ -328,7 +322,7 @@ def _path_fn(path: str, native: bool = False) -> Callable[[_Weights, Any], Any]:
 
     op: Any = None
     if path == "bf16p":
-        _bf16p_library()
+        _library()
         op = torch.ops.rtts.bf16p_linear.default
 
     def bf16p(w: _Weights, x: Any) -> Any:
@@ -349,7 +343,7 @@ def _path_fn(path: str, native: bool = False) -> Callable[[_Weights, Any], Any]:
 
     dyn: Any = None
     if path == "int8dyn":
-        _int8dyn_library()
+        _library()
         dyn = torch.ops.rtts.int8dyn_linear.default
 
     def int8dyn(w: _Weights, x: Any) -> Any:
@@ -549,6 +543,22 @@ def _attention_probe(kv: Sequence[tuple[Any, Any]], q: Any, mask: Any) -> Any:
     return out
 
 
+def _best_us(bufs: dict[str, tuple[Any, Any]], run: Callable[[Any, Any], Any], rounds: int,
+             layers: int) -> dict[str, float]:
+    """``run(q, kv)`` over each dtype's buffers, interleaved (a busy moment hits all),
+    ``rounds`` times: the best us per layer of each."""
+    import torch
+
+    us = {name: float("inf") for name in bufs}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for name, (q, kv) in bufs.items():
+                t0 = time.perf_counter()
+                run(q, kv)
+                us[name] = min(us[name], 1e6 * (time.perf_counter() - t0) / layers)
+    return us
+
+
 def sdpa_dtype(kv: str, us: dict[str, float]) -> str:
     """The precision SDPA (prefill, and an eager decode step) reads ``kv`` keys/values
     in: ``kv``, or fp32 where :func:`choose_kv_dtype` timed bf16 SDPA slower (a compiled
@@ -591,28 +601,21 @@ def choose_kv_dtype(dtype: str, layers: int, heads: int, head_dim: int, rows: in
                       [(torch.randn(rows, heads, columns, head_dim).to(dt),
                         torch.randn(rows, heads, columns, head_dim).to(dt))
                        for _ in range(layers)])
-    us = {name: float("inf") for name in bufs}
+
+    def sdpa_layers(q: Any, kv: Sequence[tuple[Any, Any]]) -> None:
+        for k, v in kv:
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a decode step's attention runs (gpt_loop, solo)
     try:
-        with torch.no_grad():
-            for _ in range(repeat + 1):  # interleaved, best of: a busy moment hits both
-                for name, (q, kv) in bufs.items():
-                    t0 = time.perf_counter()
-                    for k, v in kv:
-                        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-                    us[name] = min(us[name], 1e6 * (time.perf_counter() - t0) / layers)
+        us = _best_us(bufs, sdpa_layers, repeat + 1, layers)
     finally:
         torch.set_num_threads(threads)
     if not compiled:
         return min(us, key=lambda k: us[k]), us
     sdpa = {f"sdpa_{name}": t for name, t in us.items()}
-    us = {name: float("inf") for name in bufs}
     probe = torch.compile(_attention_probe, dynamic=False)
-    with torch.no_grad():
-        for _ in range(repeat + 2):  # the first round compiles, one per dtype
-            for name, (q, kv) in bufs.items():
-                t0 = time.perf_counter()
-                probe(kv, q.float(), mask)
-                us[name] = min(us[name], 1e6 * (time.perf_counter() - t0) / layers)
+    # the first round compiles, one graph per dtype
+    us = _best_us(bufs, lambda q, kv: probe(kv, q.float(), mask), repeat + 2, layers)
     return min(us, key=lambda k: us[k]), {**us, **sdpa}

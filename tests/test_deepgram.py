@@ -344,7 +344,9 @@ def piper_wer() -> float:
     pytest.importorskip("pocketsphinx")
     from speak_clients import piper_direct_wer
 
-    return piper_direct_wer()
+    # four framework paths are each held to piper's own spread: with 3 draws that spread
+    # read 0.0 once while a path's one draw misheard 2 of 23 words (0.087); 6 draws
+    return piper_direct_wer(draws=6)
 
 
 async def test_wer_through_livekit_and_pipecat_deepgram_matches_piper(piper_wer: float

@@ -161,6 +161,9 @@ async def test_streams_through_the_server(tiny_checkpoint: Path):
         assert kern["step_ms"] and all(ms > 0 for ms in kern["step_ms"].values())
         assert kern["decode_s_per_audio_s"] > 0 and kern["prefill_s_per_audio_s"] >= 0
         assert 0 <= kern["realtime_streams"] <= 8
+        # the linears' ms per decode row count, timed at load and scaled to all of them
+        assert set(kern["linear_ms"]) == set(range(1, 9))
+        assert all(ms > 0 for ms in kern["linear_ms"].values())
         from rtts.metrics import render_metrics
 
         metrics = render_metrics(app)

@@ -338,6 +338,18 @@ def test_capacity_rule_measured_when_steps_are_timed_else_slots():
     assert service.capacity() == (3, "measured")
     engine.kernels = {"realtime_streams": 0, "step_ms": {1: 90.0}}
     assert service.capacity() == (0, "measured")
+    # the scheduler takes the step times the engine reports (its lookahead rule), string
+    # keys too; an engine that reports none leaves them
+    engine.kernels = {"realtime_streams": 0, "step_ms": {"4": 21.1, 5: 34.8},
+                      "linear_ms": {4: 12.4}}
+    service.scheduler.refresh_step_costs()
+    assert service.scheduler.step_ms == {4: 21.1, 5: 34.8}
+    assert service.scheduler.linear_ms == {4: 12.4}
+    assert service.scheduler.lookahead_costs(4)
+    engine.kernels = {"realtime_streams": 0}
+    service.scheduler.refresh_step_costs()
+    assert service.scheduler.step_ms == {4: 21.1, 5: 34.8}
+    engine.kernels = {"realtime_streams": 0, "step_ms": {1: 90.0}}
     service.speaking = 1
     from rtts.metrics import render_metrics
     text = render_metrics(service)

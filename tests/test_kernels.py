@@ -144,6 +144,21 @@ def test_table_counts_the_weight_bytes_each_path_reads():
         assert table.bytes["bf16p"] == 2 * n
 
 
+def test_linear_ms_scales_the_timed_layers_to_all_of_them(monkeypatch):
+    """The table times a prefix of the layers (TIMED_BYTES); linear_ms is the chosen path's
+    ms per decode row count scaled up by the share of weight bytes timed."""
+    monkeypatch.setattr(kernels, "TIMED_BYTES", 1)  # time only the first layer
+    table = kernels.install(_model(), "fp32", max_rows=3, repeat=1)
+    assert table.timed_share == pytest.approx(0.5)  # two layers of 256 x 512 weights
+    lin = table.linear_ms()
+    assert set(lin) == {1, 2, 3}
+    for rows, ms in lin.items():
+        assert ms == pytest.approx(2 * table.ms[table.chosen[rows]][rows])
+    monkeypatch.undo()  # the default bound covers both small layers
+    whole = kernels.install(_model(), "fp32", max_rows=2, repeat=1)
+    assert whole.timed_share == 1.0
+
+
 def test_int4_refuses_shapes_its_kernel_cannot_pack():
     with pytest.raises(ValueError, match="int4"):
         kernels.install(torch.nn.Sequential(torch.nn.Linear(100, 64)), "int4", force="int4")

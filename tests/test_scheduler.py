@@ -311,6 +311,44 @@ async def test_continuous_engine_failing_before_its_first_step_fails_the_batch()
     await sched.stop()
 
 
+async def test_continuous_lookahead_waits_where_one_more_row_lowers_throughput():
+    """With no real-time capacity measured (0: nothing keeps up, so no cap), a stream's
+    next segment still does not join beside its own running row where the step times the
+    engine measured say one more row lowers the batch's tokens per second (ChatTTS int4
+    on 2 cores: 4 rows 21 ms, 5 rows 35 ms); where it raises it (a GPU, or 1 -> 2 rows on
+    that CPU) the lookahead joins."""
+    for step_ms, want_joined in (({2: 20.0, 3: 40.0}, False), ({2: 20.0, 3: 22.0}, True),
+                                 ({2: 20.0}, True)):
+        engine = FakeEngine(ms_per_char=20, rtf=1.0, continuous=True)
+        sched = await started(engine, max_batch_size=8, max_wait_ms=10, later_hold_s=0)
+        sched.step_ms = dict(step_ms)
+        heard = [sched.submit(SynthRequest("h" * 40, SynthParams(), priority=0, stream=s))
+                 for s in (1, 2)]
+        await asyncio.sleep(0.2)
+        ahead = sched.submit(SynthRequest("a" * 5, SynthParams(), priority=1, stream=1))
+        await asyncio.sleep(0.2)
+        assert (ahead.admitted_at is not None) == want_joined, step_ms
+        await asyncio.gather(*(collect(s) for s in [*heard, ahead]))
+        assert ahead.admitted_at is not None  # it ran once its stream's row had ended
+        assert max(engine.batches) == (3 if want_joined else 2), (step_ms, engine.batches)
+        await sched.stop()
+
+
+def test_lookahead_costs_compares_tokens_per_second():
+    sched = Scheduler(FakeEngine(), SchedulerConfig())
+    sched.step_ms = {1: 11.8, 2: 15.0, 4: 21.1, 5: 34.8, 8: 31.8}
+    assert not sched.lookahead_costs(1)  # 2 rows in 15 ms beat 1 in 11.8
+    assert sched.lookahead_costs(4)  # 5 rows in 34.8 ms are fewer per ms than 4 in 21.1
+    assert not sched.lookahead_costs(2)  # 3 rows unmeasured: the row joins, and is measured
+    assert not sched.lookahead_costs(8)
+    # a count not run yet: the step at ``rows`` plus what the linears timed at load add
+    sched.step_ms = {4: 21.1}
+    sched.linear_ms = {4: 12.4, 5: 23.5, 8: 24.0}
+    assert sched.lookahead_costs(4)  # about 32 ms for 5 rows
+    sched.linear_ms = {4: 12.4, 5: 12.9}
+    assert not sched.lookahead_costs(4)  # about 21.6 ms: more tokens per ms
+
+
 async def test_continuous_lookahead_stays_within_the_measured_realtime_capacity():
     """Once the engine has measured how many rows stay real time, a stream's next segment
     does not join beside its own running row when the batch already holds that many rows

@@ -103,7 +103,9 @@ class SchedulerConfig:
     # that already runs a row of that stream only while the batch holds fewer rows.
     # Beyond it every extra row slows the segments being heard below real time (ChatTTS
     # int4 compiled on 2 cores, while serving: 21 ms a step at 4 rows, 30-35 at 5; real
-    # time needs <= 21.3).
+    # time needs <= 21.3). Nor while one more row would lower the batch's tokens per
+    # second by the step times the engine measured (``step_ms``): with 4 streams on that
+    # CPU the capacity measured 0 or 1 (no limit then) and 5-row steps took 35-40 ms.
     lookahead_within_capacity: bool = True
 
 
@@ -209,6 +211,13 @@ class Scheduler:
         # rows the engine keeps in real time, as it measured (None: unknown); while
         # degraded a continuous batch admits no more (set by the service)
         self.realtime_slots: int | None = None
+        # rows -> ms of a step at that many rows, as the engine measured them while serving
+        # (refresh_step_costs; empty: unknown); holds back lookahead that would lower the
+        # batch's tokens per second (lookahead_costs)
+        self.step_ms: dict[int, float] = {}
+        # rows -> ms of the engine's linear layers at that many rows, timed at load: the
+        # step at a row count not measured yet is estimated from it (lookahead_costs)
+        self.linear_ms: dict[int, float] = {}
         self._playing: dict[int, float] = {}  # stream -> when a segment of it was admitted
         self.busy_s = 0.0  # device time spent in batches
         self.audio_samples = 0  # audio the engine produced (at engine.sample_rate)
@@ -271,6 +280,28 @@ class Scheduler:
         """(Event loop.) A stream (context) ended: it no longer holds a slot."""
         if self._playing.pop(stream, None) is not None:
             self._arrived.set()
+
+    def refresh_step_costs(self) -> None:
+        """Take the step and linear-layer times the engine reports now (``info.kernels``:
+        ChatTTS measures them); an engine that reports none leaves them as they are."""
+        kernels = self.engine.info.kernels or {}
+        for key in ("step_ms", "linear_ms"):
+            if isinstance(got := kernels.get(key), dict):
+                setattr(self, key, {int(r): float(ms) for r, ms in got.items()})
+
+    def lookahead_costs(self, rows: int) -> bool:
+        """Whether one more row beside ``rows`` would lower the batch's tokens per second,
+        by the measured step times (rows per ms). A step at ``rows + 1`` not measured yet
+        is estimated as the one at ``rows`` plus what the linear layers add (``linear_ms``,
+        timed at load); False where neither says (the row joins, and its steps measure
+        it)."""
+        now, more = self.step_ms.get(rows), self.step_ms.get(rows + 1)
+        lin = self.linear_ms
+        if now and not more and rows in lin and rows + 1 in lin:
+            more = now + lin[rows + 1] - lin[rows]
+        if not now or not more or more <= 0:
+            return False
+        return (rows + 1) / more < rows / now
 
     @property
     def capacity_capped(self) -> bool:
@@ -352,8 +383,8 @@ class Scheduler:
         later segment: with 4 streams whose segments ended together, the last one's next
         segment waited 8 steps for the others' first chunks, a gap the listener heard.)
         A later segment of a stream with a row among ``running`` (the batch's rows) waits
-        while the batch holds the measured real-time capacity
-        (``lookahead_within_capacity``)."""
+        while the batch holds the measured real-time capacity, or while one more row would
+        lower the batch's measured tokens per second (``lookahead_within_capacity``)."""
         if n <= 0:
             return []
         now = time.monotonic()
@@ -371,9 +402,10 @@ class Scheduler:
         held = capped and len(playing) >= self.slot_limit  # every slot has its stream
         first_warming = warming and (not running or any(
             s.first_audio_at is None and s.request.priority == 0 for s in running))
-        cap = self.realtime_slots if self.config.lookahead_within_capacity else None
+        within = self.config.lookahead_within_capacity
+        cap = self.realtime_slots if within else None
         busy = {s.request.stream for s in running
-                if s.request.stream is not None and not s.finished} if cap else set()
+                if s.request.stream is not None and not s.finished} if within else set()
 
         def key(s: RequestStream) -> tuple[Any, ...]:
             if not capped:
@@ -385,6 +417,7 @@ class Scheduler:
             live = [s for s in self._queue if not s.request.cancelled.is_set()]
             order = sorted((s for s in live if not s.solo), key=key)
             chosen: list[RequestStream] = []
+            refreshed = False
             for s in order:
                 later = s.request.priority > 0
                 if held and s.request.stream not in playing:
@@ -396,9 +429,13 @@ class Scheduler:
                         c.request.priority < BACKGROUND for c in chosen) or (
                         background_room is not None and background_room <= 0)):
                     break  # background: only slots nobody live wants, no prefill beside them
-                if later and cap and s.request.stream in busy \
-                        and len(running) + len(chosen) >= cap:
-                    continue  # lookahead beyond real time: the heard rows come first
+                if later and s.request.stream in busy:
+                    if not refreshed:  # the engine's step times as of now (rarely needed)
+                        self.refresh_step_costs()
+                        refreshed = True
+                    if (cap and len(running) + len(chosen) >= cap) \
+                            or self.lookahead_costs(len(running) + len(chosen)):
+                        continue  # lookahead beyond real time: the heard rows come first
                 if s.request.priority >= BACKGROUND and background_room is not None:
                     background_room -= 1
                 if later and not capped and (first_warming or any(c.request.priority == 0

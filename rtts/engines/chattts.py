@@ -159,7 +159,11 @@ class ChatTTSEngine:
         kern: dict[str, Any] | None = (None if table is None else
                                        {"dtype": table.dtype, "chosen": table.chosen,
                                         "kv_dtype": table.kv_dtype,
-                                        "decode_dtype": self.decode_dtype})
+                                        "decode_dtype": self.decode_dtype,
+                                        # the linears' ms per row count, timed at load (the
+                                        # scheduler's estimate for a count not run yet)
+                                        "linear_ms": {r: round(ms, 2) for r, ms
+                                                      in table.linear_ms().items()}})
         if kern is not None and tuner is not None:
             kern["threads"] = tuner.current  # torch threads the decode steps run on now
             steps = tuner.step_ms()

@@ -97,6 +97,15 @@ class KernelTable:
     bytes: dict[str, int] = field(default_factory=dict)
     kv_dtype: str = "fp32"  # the keys/values' precision (choose_kv_dtype)
     kv_us: dict[str, float] = field(default_factory=dict)  # kv dtype -> us per layer (timed)
+    timed_share: float = 1.0  # the share of the linears' fp32 weight bytes the ms cover
+
+    def linear_ms(self) -> dict[int, float]:
+        """rows -> ms of one pass through all the linear layers on the chosen path, the
+        timed prefix's ms scaled up (prefill's row count left out): how a step's cost grows
+        with its rows before steps at that count have run (an int4 step of 5 rows costs
+        what 8 do, its kernel working in blocks of 4 rows)."""
+        return {r: self.ms[p][r] / self.timed_share for r, p in self.chosen.items()
+                if r != PREFILL_ROWS and r in self.ms.get(p, {}) and self.timed_share > 0}
 
     def summary(self) -> str:
         rows = sorted(self.chosen)
@@ -416,7 +425,8 @@ def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "c
         total += mods[n].weight.numel() * 4
         n += 1
     timed_w, timed_shapes = weights[:n], shapes[:n]
-    table = KernelTable(dtype, {}, bytes=wbytes)
+    every = sum(m.weight.numel() * 4 for m in mods)
+    table = KernelTable(dtype, {}, bytes=wbytes, timed_share=total / every if every else 1.0)
     rows_range = [*range(1, max(1, max_rows) + 1), PREFILL_ROWS]
     if len(candidates) == 1:
         table.chosen = {r: candidates[0] for r in rows_range}

@@ -213,6 +213,33 @@ def test_int8_engine_measures_its_decoder_precision_and_decodes_audio(tiny_check
         eng.close()
 
 
+def test_near_lossless_engines_time_a_bf16_decoder_but_never_int8(tiny_checkpoint):
+    """--dtype auto (the default) and bf16 time the fp32 and bf16 decoders at load and keep
+    the faster; int8 (lossy) is not a candidate for them. --dtype fp32 and forced fp32
+    kernels keep the exact fp32 decoder, untimed."""
+    def engine(**cfg: str) -> ChatTTSEngine:
+        eng = ChatTTSEngine(EngineConfig(source="custom", model_dir=tiny_checkpoint,
+                                         threads=2, batch_rows=2, **cfg))
+        eng.load()
+        return eng
+
+    for cfg in ({}, {"dtype": "bf16"}):
+        eng = engine(**cfg)
+        try:
+            assert set(eng.decode_ms) == {"fp32", "bf16"}, cfg
+            assert eng.decode_dtype == min(eng.decode_ms, key=lambda k: eng.decode_ms[k])
+            assert eng.info.kernels["decode_dtype"] == eng.decode_dtype
+            assert set(eng._decoders) <= {eng.decode_dtype}  # the loser's twin is dropped
+        finally:
+            eng.close()
+    for cfg in ({"dtype": "fp32"}, {"kernels": "linear"}):
+        eng = engine(**cfg)
+        try:
+            assert eng.decode_dtype == "fp32" and eng.decode_ms == {}, cfg
+        finally:
+            eng.close()
+
+
 def test_engine_identity_names_the_weights_not_the_path(engine, tiny_checkpoint, tmp_path):
     """The phrase-cache namespace: equal for a copy of the same weights, different for
     other weights or other decode settings."""

@@ -65,8 +65,12 @@ __all__ = ["ChatTTSEngine", "StockChatTTSEngine", "check_torchaudio", "configure
 
 logger = logging.getLogger("rtts.chattts")
 
-# weight precisions whose decoder may run in bf16 or int8 (measured at load): the lossy ones
-BF16_DECODE_DTYPES = ("int8", "int4")
+# weight precision -> the decoder precisions timed at load, the fastest kept (fp32 and
+# forced fp32 kernels: none, the decoder stays fp32 and exact). The near-lossless ones may
+# decode in bf16 (41 dB from the fp32 decode on random weights), the lossy ones in int8 too
+DECODE_CANDIDATES: dict[str, tuple[str, ...]] = {
+    "auto": ("fp32", "bf16"), "bf16": ("fp32", "bf16"),
+    "int8": ("fp32", "bf16", "int8"), "int4": ("fp32", "bf16", "int8")}
 # an int8 decoder (int8_decoder) is chosen only where it is this many times faster than
 # the faster of fp32 and bf16: its audio is further from the fp32 decode (33 against 41 dB)
 INT8_DECODE_MARGIN = 1.25
@@ -243,8 +247,9 @@ class ChatTTSEngine:
             logger.info("serving real ChatTTS weights %s (%s, %s)", self.weights["identity"],
                         found.source, path)
         self._default_voice = self._voice_tensor(f"seed:{cfg.default_voice_seed}")
-        if self.select_kernels and self.device == "cpu" and cfg.dtype in BF16_DECODE_DTYPES:
-            self._choose_decode_dtype()
+        if (self.select_kernels and self.device == "cpu" and cfg.dtype in DECODE_CANDIDATES
+                and cfg.kernels not in ("linear", "transposed")):
+            self._choose_decode_dtype(DECODE_CANDIDATES[cfg.dtype])
         threads = torch.get_num_threads()
         if cfg.compile and self.select_kernels:
             self.compiled = CompiledDecode()
@@ -255,36 +260,40 @@ class ChatTTSEngine:
             choices = [threads] if self.compiled is not None or threads <= 1 else [threads, 1]
             self.thread_tuner = ThreadTuner(choices, torch.set_num_threads)
 
-    def _choose_decode_dtype(self) -> None:
-        """The decoder's precision (DVAE decoder and vocos), measured at load for the lossy
-        weight precisions only (BF16_DECODE_DTYPES): fp32, bf16 (:func:`bf16_decoder`) or
-        int8 (:func:`int8_decoder`). One 4-row decode of 40-token windows each,
-        interleaved, best of 3; the faster of fp32 and bf16, and int8 only where it is
-        ``INT8_DECODE_MARGIN`` times faster than that (its audio is further from fp32's).
+    def _choose_decode_dtype(self, candidates: tuple[str, ...]) -> None:
+        """The decoder's precision (DVAE decoder and vocos), measured at load among
+        ``candidates`` (DECODE_CANDIDATES: fp32, bf16 (:func:`bf16_decoder`), and for the
+        lossy weight precisions int8 (:func:`int8_decoder`)). One 4-row decode of 40-token
+        windows each, interleaved, best of 3; the faster of fp32 and bf16, and int8 only
+        where it is ``INT8_DECODE_MARGIN`` times faster than that (its audio is further
+        from fp32's).
 
         Measured on a Sapphire Rapids Xeon (2 threads, shared): bf16 0.055 -> 0.029 s per
         second of audio at 4 rows, 0.084 -> 0.069 at 1; decoded audio 41 dB from the fp32
         decode (random weights), above int8's 32 dB and int4's 23 dB from the fp32 GPT. On
         a Xeon without AMX/AVX512-BF16 (model 207, quiet), bf16 is 2.3-4x slower than
         fp32 and int8 2x faster (ms: 1 x 24 tokens fp32 36, int8 18, bf16 84; 4 x 24: 76,
-        39, 275; 4 x 48: 128, 62, 522), int8's audio 33 dB from fp32's."""
+        39, 275; 4 x 48: 128, 62, 522), int8's audio 33 dB from fp32's. On an AMD EPYC
+        with AVX512-BF16 (2 threads, quiet), bf16 is 2.1-2.7x faster than fp32 (1 x 24:
+        63 -> 23 ms; 4 x 40: 187 -> 88), which `auto` and `bf16` now take too."""
         import torch
 
         hidden = int(self.chat.gpt.gpt.config.hidden_size)
         gen = torch.Generator().manual_seed(0)
         windows = [torch.randn(40, hidden, generator=gen) for _ in range(4)]
-        best = {"fp32": float("inf"), "bf16": float("inf"), "int8": float("inf")}
+        best = {name: float("inf") for name in candidates}
         for _ in range(4):  # the first pass warms them up
             for name in best:
                 t0 = time.perf_counter()
                 self._decode([w.clone() for w in windows], name)
                 best[name] = min(best[name], 1000 * (time.perf_counter() - t0))
         self.decode_ms = best
-        near = min(("fp32", "bf16"), key=lambda k: best[k])
-        self.decode_dtype = "int8" if best["int8"] * INT8_DECODE_MARGIN < best[near] else near
+        near = min((k for k in best if k != "int8"), key=lambda k: best[k])
+        lossy = best.get("int8", float("inf"))
+        self.decode_dtype = "int8" if lossy * INT8_DECODE_MARGIN < best[near] else near
         self._decoders = {k: v for k, v in self._decoders.items() if k == self.decode_dtype}
-        logger.info("decoder in %s (4 x 40 tokens: fp32 %.0f ms, bf16 %.0f ms, int8 %.0f ms)",
-                    self.decode_dtype, best["fp32"], best["bf16"], best["int8"])
+        logger.info("decoder in %s (4 x 40 tokens: %s)", self.decode_dtype,
+                    ", ".join(f"{k} {v:.0f} ms" for k, v in best.items()))
 
     def _decode(self, windows: list[Any], dtype: str | None = None) -> Any:
         """Hidden-state windows (tokens, hidden) -> waveforms (rows, samples), as ChatTTS's

@@ -207,6 +207,8 @@ class ChatTTSEngine:
             self.device = cfg.device
         chat, found = self._load_first(Chat, torch)
         path = found.path
+        # fp32 weights (asked for, or forced fp32 kernels): fp32 keys/values and decoder too
+        exact = cfg.dtype == "fp32" or cfg.kernels in ("linear", "transposed")
         if self.bake_weight_norm:
             _bake_weight_norm(chat)
         if self.select_kernels:
@@ -218,7 +220,6 @@ class ChatTTSEngine:
                 force=None if cfg.kernels == "auto" else cfg.kernels, uniform=cfg.compile)
             g = chat.gpt.gpt.config
             head_dim = getattr(g, "head_dim", None) or g.hidden_size // g.num_attention_heads
-            exact = cfg.dtype == "fp32" or cfg.kernels in ("linear", "transposed")
             kv, kv_us = kernels.choose_kv_dtype(
                 "fp32" if exact else cfg.dtype, g.num_hidden_layers, g.num_key_value_heads,
                 head_dim, rows=min(4, max(1, cfg.batch_rows)),
@@ -247,8 +248,7 @@ class ChatTTSEngine:
             logger.info("serving real ChatTTS weights %s (%s, %s)", self.weights["identity"],
                         found.source, path)
         self._default_voice = self._voice_tensor(f"seed:{cfg.default_voice_seed}")
-        if (self.select_kernels and self.device == "cpu" and cfg.dtype in DECODE_CANDIDATES
-                and cfg.kernels not in ("linear", "transposed")):
+        if self.select_kernels and self.device == "cpu" and not exact:
             self._choose_decode_dtype(DECODE_CANDIDATES[cfg.dtype])
         threads = torch.get_num_threads()
         if cfg.compile and self.select_kernels:

@@ -14,6 +14,7 @@ pytest.importorskip("ChatTTS")
 from helpers import base_config, client, server  # noqa: E402
 from rtts.config import EngineConfig  # noqa: E402
 from rtts.core.params import SynthParams  # noqa: E402
+from rtts.engines import kernels  # noqa: E402
 from rtts.engines.base import SynthRequest  # noqa: E402
 from rtts.engines.chattts import ChatTTSEngine  # noqa: E402
 
@@ -238,8 +239,34 @@ def test_near_lossless_engines_time_a_bf16_decoder_but_never_int8(tiny_checkpoin
         eng = engine(**cfg)
         try:
             assert eng.decode_dtype == "fp32" and eng.decode_ms == {}, cfg
+            # and fp32 code heads (install_heads offers bf16 only beside a bf16 step)
+            assert eng.chat.gpt._rtts_heads_fn is None and eng.kernel_table.heads == {}
         finally:
             eng.close()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_lossy_engines_time_an_int8_decoder_with_their_margin(tiny_checkpoint, dtype):
+    """int8 and int4 time the fp32, bf16 and int8 decoders; int8's is kept where it is
+    INT8_DECODE_MARGIN[dtype] times faster than the faster of the other two (1.25 for
+    int8, 1.0 for int4: the fastest, its GPT being 23 dB from fp32 already)."""
+    from rtts.engines.chattts import INT8_DECODE_MARGIN
+
+    eng = ChatTTSEngine(EngineConfig(source="custom", model_dir=tiny_checkpoint, threads=2,
+                                     batch_rows=2, dtype=dtype))
+    eng.load()
+    try:
+        ms = eng.decode_ms
+        assert set(ms) == {"fp32", "bf16", "int8"}
+        near = min(("fp32", "bf16"), key=lambda k: ms[k])
+        margin = INT8_DECODE_MARGIN[dtype]
+        assert eng.decode_dtype == ("int8" if ms["int8"] * margin < ms[near] else near)
+        table = eng.kernel_table
+        assert set(table.heads) <= {r for r, p in table.chosen.items()
+                                    if p not in kernels.FP32_PATHS}
+        assert (eng.chat.gpt._rtts_heads_fn is None) == ("bf16p" not in table.heads.values())
+    finally:
+        eng.close()
 
 
 def test_engine_identity_names_the_weights_not_the_path(engine, tiny_checkpoint, tmp_path):

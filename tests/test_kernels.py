@@ -310,3 +310,38 @@ def test_kv_precision_for_a_compiled_step_times_both_ways_of_reading():
     assert kernels.sdpa_dtype("bf16", {"fp32": 2.0, "bf16": 1.0}) == "bf16"  # eager: timed SDPA
     assert kernels.sdpa_dtype("fp32", {}) == "fp32"
     assert kernels.choose_kv_dtype("fp32", 2, 2, 16, 2, compiled=True) == ("fp32", {})
+
+
+def test_code_heads_follow_the_precision_of_the_step():
+    """install_heads: where the decode step at a row count runs in bf16 or lower, the code
+    heads are timed in fp32 and bf16p and the faster kept (fp32 logits out either way);
+    where the step is fp32 (--dtype fp32, forced fp32 kernels) they stay fp32 F.linear."""
+    torch.manual_seed(0)
+    weight = torch.randn(4 * 626, 768) * 0.02
+    exact = kernels.KernelTable("fp32", {1: "linear", 2: "transposed",
+                                         kernels.PREFILL_ROWS: "linear"})
+    assert kernels.install_heads(weight, exact, repeat=1) is None
+    assert exact.heads == {}
+    lossy = kernels.KernelTable("int4", {1: "int4", 2: "linear", 3: "int4",
+                                         kernels.PREFILL_ROWS: "int8dyn"})
+    fn = kernels.install_heads(weight, lossy, repeat=1)
+    if not kernels.bf16p_available():
+        assert fn is None and lossy.heads == {}
+        return
+    assert set(lossy.heads) == {1, 3}  # fp32 at 2 rows: not offered; prefill: not a step
+    assert set(lossy.heads_ms) == {"linear", "bf16p"}
+    for rows, path in lossy.heads.items():
+        assert lossy.heads_ms[path][rows] == min(v[rows] for v in lossy.heads_ms.values())
+    assert lossy.as_dict()["heads"] == lossy.heads
+    if fn is None:  # fp32 measured faster at every offered count
+        assert set(lossy.heads.values()) == {"linear"}
+        return
+    with torch.no_grad():
+        for rows in (1, 2, 3, 5):
+            x = torch.randn(rows, 768)
+            got, want = fn(x), torch.nn.functional.linear(x, weight)
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+            assert cos > 0.9999
+            if rows in (2, 5) or lossy.heads.get(rows) == "linear":
+                assert torch.equal(got, want)  # fp32 where the step is fp32 or untimed

@@ -58,6 +58,7 @@ from rtts.engines.gpt_loop import (
     RowSpec,
     ThreadTuner,
     fuse_projections,
+    install_heads,
 )
 
 __all__ = ["ChatTTSEngine", "StockChatTTSEngine", "check_torchaudio", "configure_threads_env",
@@ -71,9 +72,11 @@ logger = logging.getLogger("rtts.chattts")
 DECODE_CANDIDATES: dict[str, tuple[str, ...]] = {
     "auto": ("fp32", "bf16"), "bf16": ("fp32", "bf16"),
     "int8": ("fp32", "bf16", "int8"), "int4": ("fp32", "bf16", "int8")}
-# an int8 decoder (int8_decoder) is chosen only where it is this many times faster than
-# the faster of fp32 and bf16: its audio is further from the fp32 decode (33 against 41 dB)
-INT8_DECODE_MARGIN = 1.25
+# weight precision -> how many times faster than the faster of fp32 and bf16 an int8
+# decoder (int8_decoder) must be to be chosen: its audio is further from the fp32 decode
+# (33 against 41 dB). int4's GPT is 23 dB from fp32's decoded audio already, so there the
+# decoder's 33 dB adds little (about 0.4 dB) and the fastest decoder is taken.
+INT8_DECODE_MARGIN: dict[str, float] = {"int8": 1.25, "int4": 1.0}
 SAMPLES_PER_TOKEN = 512  # 1 GPT step = 2 mel frames x hop 256 at 24 kHz
 TOKENS_PER_SECOND = 24000 / SAMPLES_PER_TOKEN  # 46.875 GPT steps per second of audio
 PREFILL_WINDOW_S = 4.0  # audio seconds per window of the prefill average
@@ -218,6 +221,7 @@ class ChatTTSEngine:
                 chat.gpt.gpt, cfg.dtype, max_rows=cfg.batch_rows,
                 device="cpu" if self.device == "cpu" else "cuda",
                 force=None if cfg.kernels == "auto" else cfg.kernels, uniform=cfg.compile)
+            install_heads(chat.gpt, chat.config.gpt.num_vq, self.kernel_table)
             g = chat.gpt.gpt.config
             head_dim = getattr(g, "head_dim", None) or g.hidden_size // g.num_attention_heads
             kv, kv_us = kernels.choose_kv_dtype(
@@ -266,7 +270,7 @@ class ChatTTSEngine:
         lossy weight precisions int8 (:func:`int8_decoder`)). One 4-row decode of 40-token
         windows each, interleaved, best of 3; the faster of fp32 and bf16, and int8 only
         where it is ``INT8_DECODE_MARGIN`` times faster than that (its audio is further
-        from fp32's).
+        from fp32's; for int4, whose GPT is further still, the fastest of the three).
 
         Measured on a Sapphire Rapids Xeon (2 threads, shared): bf16 0.055 -> 0.029 s per
         second of audio at 4 rows, 0.084 -> 0.069 at 1; decoded audio 41 dB from the fp32
@@ -290,7 +294,8 @@ class ChatTTSEngine:
         self.decode_ms = best
         near = min((k for k in best if k != "int8"), key=lambda k: best[k])
         lossy = best.get("int8", float("inf"))
-        self.decode_dtype = "int8" if lossy * INT8_DECODE_MARGIN < best[near] else near
+        margin = INT8_DECODE_MARGIN.get(self.config.dtype, 1.25)
+        self.decode_dtype = "int8" if lossy * margin < best[near] else near
         self._decoders = {k: v for k, v in self._decoders.items() if k == self.decode_dtype}
         logger.info("decoder in %s (4 x 40 tokens: %s)", self.decode_dtype,
                     ", ".join(f"{k} {v:.0f} ms" for k, v in best.items()))

@@ -47,7 +47,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rtts.engines.kernels import decode_attention
+from rtts.engines.kernels import KernelTable, decode_attention
+from rtts.engines.kernels import install_heads as _heads_kernel
 
 __all__ = ["BatchedGpt", "CompiledDecode", "GptRow", "RowSpec", "ThreadTuner",
            "fuse_projections"]
@@ -170,6 +171,15 @@ def _fused_heads(gpt: Any, num_vq: int) -> tuple[Any, Any]:
     return fused_heads, fused_embs
 
 
+def install_heads(gpt: Any, num_vq: int, table: KernelTable) -> None:
+    """Put ``gpt``'s fused code heads (:func:`_fused_heads`) on the kernel path
+    :func:`kernels.install_heads` chooses per row count (every batch over ``gpt`` then
+    computes its logits through it); fp32 ``F.linear`` where it chooses nothing."""
+    heads, _ = _fused_heads(gpt, num_vq)
+    fn = None if heads is None else _heads_kernel(heads, table)
+    object.__setattr__(gpt, "_rtts_heads_fn", fn)
+
+
 class _SlotCache:
     """The object handed to transformers' attention as its cache: writes the new
     keys/values into the shared buffers at the current window, returns what to attend."""
@@ -230,6 +240,8 @@ class BatchedGpt:
                                        and hasattr(layer.mlp, "rtts_gate_up")
                                        for layer in self.layers)
         self._heads, self._embs = _fused_heads(gpt, num_vq)
+        # the heads' kernel per row count (install_heads), or None: fp32 F.linear
+        self._heads_fn: Callable[[Any], Any] | None = getattr(gpt, "_rtts_heads_fn", None)
         # the decode step's layer loop through torch.compile (CompiledDecode), lean only
         self.decode = decode if self.lean else None
         self._row_params: tuple[tuple[GptRow, ...], Any] = ((), None)
@@ -407,7 +419,9 @@ class BatchedGpt:
 
         vq, n = self.num_vq, len(rows)
         if self._heads is not None:  # the 4 code heads as one matrix: (n, vq * V)
-            logits = F.linear(h, self._heads).view(n * vq, -1).float()
+            fn = self._heads_fn
+            logits = (F.linear(h, self._heads) if fn is None else fn(h)
+                      ).view(n * vq, -1).float()
         else:
             logits = torch.stack([head(h) for head in self.gpt.head_code], 2)  # (n, V, vq)
             logits = logits.permute(0, 2, 1).reshape(n * vq, -1).float()

@@ -239,7 +239,7 @@ def test_near_lossless_engines_time_a_bf16_decoder_but_never_int8(tiny_checkpoin
         eng = engine(**cfg)
         try:
             assert eng.decode_dtype == "fp32" and eng.decode_ms == {}, cfg
-            # and fp32 code heads (install_heads offers bf16 only beside a bf16 step)
+            # and F.linear code heads (install_heads times others only beside a non-fp32 step)
             assert eng.chat.gpt._rtts_heads_fn is None and eng.kernel_table.heads == {}
         finally:
             eng.close()
@@ -264,7 +264,11 @@ def test_lossy_engines_time_an_int8_decoder_with_their_margin(tiny_checkpoint, d
         table = eng.kernel_table
         assert set(table.heads) <= {r for r, p in table.chosen.items()
                                     if p not in kernels.FP32_PATHS}
-        assert (eng.chat.gpt._rtts_heads_fn is None) == ("bf16p" not in table.heads.values())
+        assert (eng.chat.gpt._rtts_heads_fn is None) == (set(table.heads.values()) <= {"linear"})
+        # an eager step's attention on the thread count that measured faster at load
+        assert {"fp32_threads", "bf16_threads"} <= set(table.kv_us)
+        assert eng.batch(2).solo_attention == kernels.solo_attention(table.kv_dtype,
+                                                                    table.kv_us)
     finally:
         eng.close()
 

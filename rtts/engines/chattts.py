@@ -569,13 +569,16 @@ class ChatTTSEngine:
 
         table = self.kernel_table
         kv = sdpa = None
+        solo = True
         if table is not None:
             kv = getattr(torch, kernels.KV_DTYPES[table.kv_dtype])
             sdpa = getattr(torch, kernels.KV_DTYPES[kernels.sdpa_dtype(table.kv_dtype,
                                                                        table.kv_us)])
+            solo = kernels.solo_attention(table.kv_dtype, table.kv_us)
         return BatchedGpt(chat.gpt, chat.config.gpt.num_vq,
                           eos_token=chat.config.gpt.num_audio_tokens - 1, slots=slots,
-                          kv_dtype=kv, decode=self.compiled, sdpa_dtype=sdpa)
+                          kv_dtype=kv, decode=self.compiled, sdpa_dtype=sdpa,
+                          solo_attention=solo)
 
     def generate(self, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:
         """A fixed batch: every row starts together, nobody joins (static batching)."""

@@ -207,7 +207,8 @@ class BatchedGpt:
 
     def __init__(self, gpt: Any, num_vq: int, eos_token: int, slots: int,
                  penalty: float = 1.05, columns: int = 256, kv_dtype: Any = None,
-                 decode: CompiledDecode | None = None, sdpa_dtype: Any = None) -> None:
+                 decode: CompiledDecode | None = None, sdpa_dtype: Any = None,
+                 solo_attention: bool = True) -> None:
         import torch
 
         self.gpt = gpt  # ChatTTS.model.GPT (loaded)
@@ -224,7 +225,9 @@ class BatchedGpt:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self._kv_shape = (slots, heads, head_dim)
         self.hidden = cfg.hidden_size
-        self.solo_attention = True  # decode attention on one thread (see _lean_layers)
+        # an eager decode step's attention on one thread (see _lean_layers), where that
+        # measured faster (kernels.solo_attention)
+        self.solo_attention = solo_attention
         self.lean = (heads == cfg.num_attention_heads and heads * head_dim == self.hidden
                      and cfg.hidden_act == "silu"
                      and all(type(layer).__name__ == "LlamaDecoderLayer"
@@ -421,7 +424,7 @@ class BatchedGpt:
         if self._heads is not None:  # the 4 code heads as one matrix: (n, vq * V)
             fn = self._heads_fn
             logits = (F.linear(h, self._heads) if fn is None else fn(h)
-                      ).view(n * vq, -1).float()
+                      ).reshape(n * vq, -1).float()
         else:
             logits = torch.stack([head(h) for head in self.gpt.head_code], 2)  # (n, V, vq)
             logits = logits.permute(0, 2, 1).reshape(n * vq, -1).float()

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["DTYPES", "KernelTable", "choose_kv_dtype", "decode_attention", "dynamic_int8",
-           "install", "install_heads", "linears", "sdpa_dtype"]
+           "install", "install_heads", "linears", "sdpa_dtype", "solo_attention"]
 
 logger = logging.getLogger("rtts.kernels")
 
@@ -487,37 +487,37 @@ def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "c
 
 # decode paths that compute in fp32: a step on one keeps its code heads in fp32 as well
 FP32_PATHS = ("linear", "transposed")
+HEAD_PATHS = ("linear", "transposed")  # the code heads' candidates (install_heads)
 
 
 def install_heads(weight: Any, table: KernelTable, repeat: int = 8
                   ) -> Callable[[Any], Any] | None:
     """ChatTTS's code heads (``weight``: the 4 codebooks' heads as one (4 x 626, 768)
-    matrix, read once per decode step) on the fastest path per row count, ``x`` (rows, H)
-    -> fp32 logits; records the choice in ``table.heads``. At a row count whose decode
-    step already runs in bf16 or lower (``table.chosen`` not in :data:`FP32_PATHS`), the
-    heads may run through ``bf16p`` as well; where the step is fp32 they stay fp32
-    ``F.linear`` (``--dtype fp32`` stays exact). None where nothing but fp32 is allowed.
+    matrix, read once per decode step) on the faster fp32 path per row count, ``x``
+    (rows, H) -> fp32 logits; records the choice in ``table.heads``. Timed only at row
+    counts whose decode step is not fp32 already (``table.chosen`` not in
+    :data:`FP32_PATHS`): where the step is fp32 the heads stay ``F.linear``, exactly
+    ChatTTS's. None where ``F.linear`` is kept everywhere.
 
-    Measured on the AMD EPYC (AVX512-BF16, 2 threads, weights cold, best of 30, us at
-    1 / 4 / 8 rows): fp32 ``F.linear`` 730 / 919 / 938, ``bf16p`` 339 / 277 / 313; the
-    logits' cosine to fp32 0.999997. The step's one fp32 ``aten::mm`` had been 0.75 ms of a
-    13.7 ms 4-row ``int4 --compile`` step in the profiler."""
-    import torch
-
+    Measured on the AMD EPYC (2 threads, weights cold, best of 30, us at 1 / 4 / 8 rows):
+    ``F.linear`` 730 / 919 / 938, ``transposed`` 731 / 352 / 813. (``bf16p``, 339 / 277 /
+    313, is not offered: its bf16 logits tie so often that top-P's exact fallback, a
+    ``torch.sort`` of 500 us, ran at every step.)"""
     rows = sorted(r for r, p in table.chosen.items()
                   if r != PREFILL_ROWS and p not in FP32_PATHS)
-    if not rows or not bf16p_available() or weight.device.type != "cpu":
+    if not rows or weight.device.type != "cpu":
         return None
+    import torch
+
     lin = torch.nn.Linear(int(weight.shape[1]), int(weight.shape[0]), bias=False)
     lin.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
-    w = _Weights(lin, {"linear", "bf16p"})
+    w = _Weights(lin, {"linear"})
     shapes = [int(weight.shape[1])]
-    for path in ("linear", "bf16p"):
+    for path in HEAD_PATHS:
         fn = _path_fn(path)
         table.heads_ms[path] = {r: _time_path([w], fn, r, shapes, repeat) for r in rows}
-    table.heads = {r: min(("linear", "bf16p"), key=lambda p: table.heads_ms[p][r])
-                   for r in rows}
-    if "bf16p" not in table.heads.values():
+    table.heads = {r: min(HEAD_PATHS, key=lambda p: table.heads_ms[p][r]) for r in rows}
+    if set(table.heads.values()) == {"linear"}:
         return None
     by_rows = {r: _path_fn(p) for r, p in table.heads.items()}
     plain = _path_fn("linear")
@@ -627,6 +627,20 @@ def sdpa_dtype(kv: str, us: dict[str, float]) -> str:
     return kv
 
 
+def solo_attention(kv: str, us: dict[str, float]) -> bool:
+    """Whether an eager decode step runs its attention (SDPA over ``kv`` keys/values) on
+    one thread (``BatchedGpt.solo_attention``): where :func:`choose_kv_dtype` timed it no
+    slower there than on the step's threads (``f"{kv}_threads"``). Untimed (fp32, a GPU, a
+    compiled step): one thread, as before.
+
+    One thread was measured faster on a 2-core Xeon without AVX512-BF16 (SDPA with the
+    slot mask 18-890 us on one thread against 70-2900 on two, 1-4 rows, 60-300 columns),
+    two on the AMD EPYC (20 layers, fp32, ms on 1 / 2 threads: 1 row 1.56 / 0.93 at 160
+    columns, 4.09 / 2.41 at 400; 4 rows 9.34 / 5.36 at 160, 17.6 / 11.1 at 400)."""
+    multi = us.get(f"{kv}_threads")
+    return multi is None or us.get(kv, float("inf")) <= multi
+
+
 def choose_kv_dtype(dtype: str, layers: int, heads: int, head_dim: int, rows: int,
                     columns: int = 256, device: str = "cpu", repeat: int = 4,
                     compiled: bool = False) -> tuple[str, dict[str, float]]:
@@ -661,18 +675,25 @@ def choose_kv_dtype(dtype: str, layers: int, heads: int, head_dim: int, rows: in
                         torch.randn(rows, heads, columns, head_dim).to(dt))
                        for _ in range(layers)])
 
-    def sdpa_layers(q: Any, kv: Sequence[tuple[Any, Any]]) -> None:
+    def sdpa_layers(q: tuple[Any, int], kv: Sequence[tuple[Any, Any]]) -> None:
+        torch.set_num_threads(q[1])
         for k, v in kv:
-            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            F.scaled_dot_product_attention(q[0], k, v, attn_mask=mask)
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as a decode step's attention runs (gpt_loop, solo)
+    # on one thread, as an eager decode step's attention ran everywhere before (gpt_loop,
+    # solo_attention), and on the step's own threads: which is faster depends on the CPU
+    # (solo_attention below), so an eager step does what measured faster here
+    timed = {name: ((q, 1), kv) for name, (q, kv) in bufs.items()}
+    if not compiled and threads > 1:
+        timed.update({f"{name}_threads": ((q, threads), kv) for name, (q, kv) in bufs.items()})
     try:
-        us = _best_us(bufs, sdpa_layers, repeat + 1, layers)
+        us = _best_us(timed, sdpa_layers, repeat + 1, layers)
     finally:
         torch.set_num_threads(threads)
     if not compiled:
-        return min(us, key=lambda k: us[k]), us
+        best = min(us, key=lambda k: us[k])
+        return best.removesuffix("_threads"), us
     sdpa = {f"sdpa_{name}": t for name, t in us.items()}
     probe = torch.compile(_attention_probe, dynamic=False)
     # the first round compiles, one graph per dtype

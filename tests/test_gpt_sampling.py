@@ -63,3 +63,19 @@ def test_a_reseeded_one_sample_multinomial_is_argmax_over_fixed_exponential_nois
         drawn = torch.multinomial(probs, num_samples=1, generator=gen).view(-1)
         noise = torch.empty(4, 626).exponential_(1, generator=gen.manual_seed(seed))
         assert torch.equal(drawn, (probs / noise).argmax(-1)), seed
+
+
+def test_unseeded_draws_follow_the_probabilities_and_never_take_a_masked_code():
+    """Rows without a seed draw through ``gpt_loop._draw`` (argmax(p / q), q = -log U from
+    torch.rand): the frequencies match p, a zero-probability code is never drawn, and the
+    draws are reproducible under ``torch.manual_seed`` as multinomial's were."""
+    from rtts.engines.gpt_loop import _draw
+
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0, 0.0])
+    torch.manual_seed(1)
+    drawn = _draw(p.repeat(40000, 1))
+    freq = torch.bincount(drawn, minlength=6).float() / drawn.numel()
+    assert torch.allclose(freq, p, atol=0.01)  # 40,000 draws: sd <= 0.0025
+    assert int(freq[4:].sum()) == 0
+    torch.manual_seed(1)
+    assert torch.equal(_draw(p.repeat(40000, 1)), drawn)

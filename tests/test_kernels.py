@@ -363,3 +363,23 @@ def test_code_heads_follow_the_precision_of_the_step():
             assert torch.allclose(got, want, atol=1e-5)
             if rows in (2, 5) or lossy.heads.get(rows) == "linear":
                 assert torch.equal(got, want)  # F.linear where the step is fp32 or untimed
+
+
+def test_int8dyn_registry_lets_the_packed_weights_go_with_their_model():
+    """``rtts::int8dyn_linear`` finds fbgemm's linears through a registry of weak
+    references: a model's packed int8 weights are freed with the model, not kept for the
+    life of the process (tests and benches install many models in one process)."""
+    import gc
+
+    model = _model()
+    kernels.install(model, "int8", max_rows=1, force="int8dyn")
+    w = model[0].rtts_weights
+    index = w.qdyn_index
+    assert index >= 0 and kernels._INT8DYN[index]() is w.qdyn
+    x = torch.randn(3, 256)
+    assert torch.equal(kernels._int8dyn_mm(x, index, 512), w.qdyn(x))
+    del model, w
+    gc.collect()
+    assert kernels._INT8DYN[index]() is None
+    with pytest.raises(RuntimeError, match="released"):
+        kernels._int8dyn_mm(x, index, 512)

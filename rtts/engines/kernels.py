@@ -52,6 +52,7 @@ import functools
 import logging
 import time
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -191,12 +192,10 @@ class _Weights:
         if "int8dyn" in paths:
             self.qdyn = _dynamic_int8(module)
             self.qdyn_index = len(_INT8DYN)
-            _INT8DYN.append(self.qdyn)
+            _INT8DYN.append(weakref.ref(self.qdyn))
 
     def drop_int8dyn(self) -> None:
-        if self.qdyn_index >= 0:
-            _INT8DYN[self.qdyn_index] = None
-        self.qdyn, self.qdyn_index = None, -1
+        self.qdyn, self.qdyn_index = None, -1  # (its registry entry dies with it)
 
 
 def bf16p_available() -> bool:
@@ -293,12 +292,17 @@ def dynamic_int8(module: Any) -> Any:
             module, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
 
 
-# fbgemm's dynamic int8 linears by index, for ``rtts::int8dyn_linear`` (see _library)
-_INT8DYN: list[Any] = []
+# fbgemm's dynamic int8 linears by index, for ``rtts::int8dyn_linear`` (see _library):
+# weak references, so the packed weights go with the model that holds them (its
+# ``_Weights``), not with the process (many installs in one process: tests, benches)
+_INT8DYN: list[weakref.ref[Any]] = []
 
 
 def _int8dyn_mm(x: Any, index: int, n: int) -> Any:
-    return _INT8DYN[index](x)
+    linear = _INT8DYN[index]()
+    if linear is None:
+        raise RuntimeError(f"int8dyn linear {index} was released with its model")
+    return linear(x)
 
 
 def _dynamic_int8(module: Any) -> Any:

@@ -294,7 +294,7 @@ class ChatTTSEngine:
         self.decode_ms = best
         near = min((k for k in best if k != "int8"), key=lambda k: best[k])
         lossy = best.get("int8", float("inf"))
-        margin = INT8_DECODE_MARGIN.get(self.config.dtype, 1.25)
+        margin = INT8_DECODE_MARGIN.get(self.config.dtype, INT8_DECODE_MARGIN["int8"])
         self.decode_dtype = "int8" if lossy * margin < best[near] else near
         self._decoders = {k: v for k, v in self._decoders.items() if k == self.decode_dtype}
         logger.info("decoder in %s (4 x 40 tokens: %s)", self.decode_dtype,

@@ -491,7 +491,7 @@ def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "c
 
 # decode paths that compute in fp32: a step on one keeps its code heads in fp32 as well
 FP32_PATHS = ("linear", "transposed")
-HEAD_PATHS = ("linear", "transposed")  # the code heads' candidates (install_heads)
+HEAD_PATHS = FP32_PATHS  # the code heads' candidates (install_heads): fp32 logits only
 
 
 def install_heads(weight: Any, table: KernelTable, repeat: int = 8
@@ -500,8 +500,8 @@ def install_heads(weight: Any, table: KernelTable, repeat: int = 8
     matrix, read once per decode step) on the faster fp32 path per row count, ``x``
     (rows, H) -> fp32 logits; records the choice in ``table.heads``. Timed only at row
     counts whose decode step is not fp32 already (``table.chosen`` not in
-    :data:`FP32_PATHS`): where the step is fp32 the heads stay ``F.linear``, exactly
-    ChatTTS's. None where ``F.linear`` is kept everywhere.
+    :data:`FP32_PATHS`): where the step is fp32 the heads stay ``F.linear``, as before.
+    None where ``F.linear`` is kept everywhere.
 
     Measured on the AMD EPYC (2 threads, weights cold, best of 30, us at 1 / 4 / 8 rows):
     ``F.linear`` 730 / 919 / 938, ``transposed`` 731 / 352 / 813. (``bf16p``, 339 / 277 /

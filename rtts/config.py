@@ -63,6 +63,8 @@ class EngineConfig:
     # GPT linear weights: auto (fp32/bf16, fastest measured) | fp32 | bf16 | int8 | int4
     dtype: str = "auto"
     kernels: str = "auto"  # auto: measure at load; or force one path (see engines/kernels.py)
+    # the GPT's keys/values: auto (measured at load) | fp32 | bf16 | int8 (engines/kernels.py)
+    kv_dtype: str = "auto"
     batch_rows: int = 8  # most rows a batch can have (the scheduler's slots): kernels timed 1..
     fixed_tokens: int | None = None  # benchmarks: every segment exactly this many GPT steps
     # benchmarks: every segment exactly ceil(this x its characters) GPT steps (at least 8):

@@ -172,3 +172,17 @@ async def test_realtime_bench_reports_what_each_listener_heard(tiny_checkpoint: 
         assert step["weight_bytes"] == table["bytes"][table["chosen"][1]] > 0
     for name, best in out["realtime_streams"].items():
         assert best in (0, 1, 2) and (best == 0 or out["summary"][f"{name}@{best}"]["no_silence"])
+
+
+def test_bench_settings_name_dtype_compile_and_kv_precision():
+    """``--dtypes`` entries of `bench realtime` and `bench kernels`: DTYPE, +compile and
+    +kvKV in any order after it; anything else is refused with the entry named."""
+    from rtts.bench.realtime import setting
+
+    assert setting("auto") == {"dtype": "auto", "compile": False}
+    assert setting("int4+compile") == {"dtype": "int4", "compile": True}
+    assert setting("int4+kvbf16+compile") == {"dtype": "int4", "compile": True,
+                                              "kv_dtype": "bf16"}
+    for bad in ("int4+kvfp16", "int4+fast"):
+        with pytest.raises(ValueError, match="--dtypes"):
+            setting(bad)

@@ -296,20 +296,64 @@ def test_decode_attention_computes_what_masked_sdpa_computes():
                           kernels.decode_attention(q, k, v, mask, 0.25), atol=1e-6)
 
 
+def test_int8_keys_and_values_attend_as_their_dequantized_values_do():
+    """``quantize_kv``: int8 with one scale per vector, within half a step of each value;
+    ``decode_attention_int8`` computes masked SDPA over the dequantized keys/values (eager
+    and compiled), and stays near the fp32 result."""
+    torch.manual_seed(0)
+    rows, heads, columns, d = 3, 4, 37, 16
+    q = torch.randn(rows, heads, 1, d)
+    k, v = torch.randn(rows, heads, columns, d), torch.randn(rows, heads, columns, d)
+    k[0, 0, 0] = 0.0  # an all-zero vector: a tiny scale, no division by zero
+    mask = torch.rand(rows, 1, 1, columns) > 0.3
+    mask[..., -1] = True
+    (kq, ks), (vq, vs) = kernels.quantize_kv(k), kernels.quantize_kv(v)
+    assert kq.dtype == torch.int8 and ks.shape == (rows, heads, columns)
+    assert int(kq.abs().max()) <= 127 and bool(torch.isfinite(ks).all())
+    assert bool(((kq.float() * ks.unsqueeze(-1) - k).abs() <= ks.unsqueeze(-1) / 2 + 1e-6).all())
+    assert int(kq[0, 0, 0].abs().max()) == 0
+    deq = torch.nn.functional.scaled_dot_product_attention(
+        q, kq.float() * ks.unsqueeze(-1), vq.float() * vs.unsqueeze(-1), attn_mask=mask,
+        scale=0.25)
+    exact = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                             scale=0.25)
+    compiled = torch.compile(kernels.decode_attention_int8, fullgraph=True, dynamic=True)
+    for fn in (kernels.decode_attention_int8, compiled):
+        got = fn(q, kq, ks, vq, vs, mask, 0.25)
+        assert got.dtype == torch.float32 and got.shape == (rows, heads, 1, d)
+        assert torch.allclose(got, deq, atol=1e-5)
+        assert float((got - exact).norm() / exact.norm()) < 0.03
+
+
+def test_kv_precision_can_be_forced_untimed():
+    """``--kv-dtype`` other than auto is taken as it is (no timing), for any dtype;
+    anything else is refused."""
+    for kv in ("fp32", "bf16", "int8"):
+        assert kernels.choose_kv_dtype("int4", 2, 2, 16, 2, compiled=True, force=kv) == (kv, {})
+    assert kernels.choose_kv_dtype("fp32", 2, 2, 16, 2, force="int8") == ("int8", {})
+    assert kernels.sdpa_dtype("int8", {}) == "fp32"  # prefill reads them dequantized
+    with pytest.raises(ValueError, match="kv dtype"):
+        kernels.choose_kv_dtype("int4", 2, 2, 16, 2, force="fp16")
+
+
 def test_kv_precision_for_a_compiled_step_times_both_ways_of_reading():
     """With a compiled decode step the keys/values' precision is decided by the compiled
     reductions' times; SDPA's are kept, and where bf16 SDPA is the slower one, prefill
     (SDPA) reads the bf16 buffer upcast to fp32 (``sdpa_dtype``)."""
     kv, us = kernels.choose_kv_dtype("int4", layers=2, heads=2, head_dim=16, rows=2,
                                       columns=32, repeat=1, compiled=True)
-    assert set(us) == {"fp32", "bf16", "sdpa_fp32", "sdpa_bf16"}
-    assert kv == min(("fp32", "bf16"), key=lambda k: us[k])
+    # int8 is a candidate of the lossy dtypes' compiled step (int4 here), not of auto's
+    assert set(us) == {"fp32", "bf16", "int8", "sdpa_fp32", "sdpa_bf16"}
+    assert kv == min(("fp32", "bf16", "int8"), key=lambda k: us[k])
     assert kernels.sdpa_dtype(kv, us) in {"fp32", kv}
     assert kernels.sdpa_dtype("bf16", {"sdpa_fp32": 1.0, "sdpa_bf16": 2.0}) == "fp32"
     assert kernels.sdpa_dtype("bf16", {"sdpa_fp32": 2.0, "sdpa_bf16": 1.0}) == "bf16"
     assert kernels.sdpa_dtype("bf16", {"fp32": 2.0, "bf16": 1.0}) == "bf16"  # eager: timed SDPA
     assert kernels.sdpa_dtype("fp32", {}) == "fp32"
     assert kernels.choose_kv_dtype("fp32", 2, 2, 16, 2, compiled=True) == ("fp32", {})
+    _kv, us = kernels.choose_kv_dtype("auto", layers=2, heads=2, head_dim=16, rows=2,
+                                       columns=32, repeat=1, compiled=True)
+    assert "int8" not in us
 
 
 def test_eager_attention_runs_on_the_thread_count_that_measured_faster():

@@ -528,6 +528,7 @@ async def bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
     configure_threads_env()
     import torch
 
+    from rtts.bench.realtime import setting
     from rtts.config import EngineConfig
     from rtts.engines.chattts import ChatTTSEngine
 
@@ -540,9 +541,11 @@ async def bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
     for dtype in args.dtypes.split(","):
         engine = ChatTTSEngine(EngineConfig(source="custom", model_dir=args.model_dir,
                                             device=args.device, threads=args.threads,
-                                            dtype=dtype,
-                                            batch_rows=max(rows_list), kernels=args.kernels))
+                                            batch_rows=max(rows_list), kernels=args.kernels,
+                                            **setting(dtype)))
         engine.load()
+        if engine.config.compile:  # its step as served: compiled before it is timed
+            engine.warmup()
         table = engine.kernel_table
         res: dict[str, Any] = {"kernels": table.as_dict() if table else None}
         res["step_ms"] = {r: _step_ms(engine, r, args.steps) for r in rows_list}
@@ -936,7 +939,8 @@ def add_parser(sub: Any) -> None:
     kn = bsub.add_parser("kernels", help="GPT step time and accuracy per --dtype")
     kn.add_argument("--model-dir", type=Path, required=True)
     kn.add_argument("--dtypes", default="fp32,auto,bf16,int8,int4",
-                    help="the first is the reference the others are compared with")
+                    help="the first is the reference the others are compared with; each "
+                    "optionally with +compile and +kvKV, as bench realtime --dtypes")
     kn.add_argument("--rows", default="1,4", help="batch sizes to time")
     kn.add_argument("--steps", type=int, default=24, help="decode steps timed per batch size")
     kn.add_argument("--tokens", type=int, default=128, help="decode length for accuracy")

@@ -55,7 +55,9 @@ from typing import Any
 
 from websockets.asyncio.client import connect
 
-__all__ = ["PlayerResult", "add_parser", "bench_realtime", "play", "run"]
+from rtts.engines.kernels import KV_CHOICES
+
+__all__ = ["PlayerResult", "add_parser", "bench_realtime", "play", "run", "setting"]
 
 # ~10 s of speech at ChatTTS's pace; with --tokens 120 its segments make ~10-12 s of audio
 PARAGRAPH = ("Good evening, and thanks for calling. Your table for four is booked for "
@@ -83,6 +85,22 @@ class PlayerResult:
         return {"ttfa_s": self.ttfa_s, "audio_s": self.audio_s, "silence_s": self.silence_s,
                 "stalls": self.stalls, "silence_per_audio_s": self.silence_per_audio_s,
                 "wall_s": self.wall_s}
+
+
+def setting(name: str) -> dict[str, Any]:
+    """EngineConfig fields of a ``--dtypes`` entry: ``DTYPE[+compile][+kvKV]``
+    (``int4+compile+kvbf16``: ``--dtype int4 --compile --kv-dtype bf16``)."""
+    dtype, *extra = name.split("+")
+    out: dict[str, Any] = {"dtype": dtype, "compile": False}
+    for part in extra:
+        if part == "compile":
+            out["compile"] = True
+        elif part.startswith("kv") and part[2:] in KV_CHOICES:
+            out["kv_dtype"] = part[2:]
+        else:
+            raise ValueError(f"--dtypes {name!r}: +{part} is neither +compile nor "
+                             f"+kv{{{','.join(KV_CHOICES)}}}")
+    return out
 
 
 def segment_gaps(frames: Sequence[tuple[float, int]]) -> tuple[float, ...]:
@@ -344,10 +362,8 @@ async def bench_realtime(args: argparse.Namespace) -> dict[str, Any]:
     out["read_bandwidth_gb_s"] = bandwidth / 1e9
     print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({device}, {args.threads} threads)",
           file=sys.stderr, flush=True)
-    # a dtype with "+compile" (int4+compile) is that dtype with the decode step compiled
     setups: list[tuple[str, Any, SchedulerConfig, int]] = [
-        (f"rtts-{d}", replace(ecfg, dtype=d.removesuffix("+compile"),
-                              compile=d.endswith("+compile")), SchedulerConfig(
+        (f"rtts-{d}", replace(ecfg, **setting(d)), SchedulerConfig(
             max_batch_size=slots, request_timeout_s=3600), slots) for d in dtypes]
     if args.stock_max_streams > 0:
         setups.append(("stock", ecfg, SchedulerConfig(
@@ -455,7 +471,8 @@ def add_parser(bench: argparse.ArgumentParser) -> None:
                    help="checkpoint (e.g. from `rtts model make-random --size full`)")
     p.add_argument("--streams", default="1,2,4", help="stream counts (comma-separated)")
     p.add_argument("--dtypes", default="fp32", help="rtts settings: --dtype values, each "
-                   "optionally with +compile (int4+compile: --dtype int4 --compile)")
+                   "optionally with +compile (int4+compile: --dtype int4 --compile) and "
+                   "+kvKV (int4+compile+kvbf16: also --kv-dtype bf16)")
     p.add_argument("--tokens", type=int, default=120, help="GPT steps per segment")
     p.add_argument("--tokens-per-char", type=float, default=0.0,
                    help="instead of --tokens: each segment ceil(this x its characters) "

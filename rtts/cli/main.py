@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--compile", action="store_true", default=EngineConfig.compile,
                    help="ChatTTS: the GPT decode step through torch.compile (faster on a "
                         "small CPU; 1-2 minutes more to start)")
+    s.add_argument("--kv-dtype", choices=["auto", "fp32", "bf16", "int8"],
+                   default=EngineConfig.kv_dtype,
+                   help="ChatTTS: the GPT's keys/values (auto: measured at load; int8 is "
+                        "a candidate of --compile with --dtype int8/int4)")
     s.add_argument("--kernels", default=EngineConfig.kernels,
                    choices=["auto", "linear", "transposed", "bf16", "bf16p", "int8", "int8bf",
                             "int4", "int8dyn"],
@@ -415,7 +419,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             device=args.device, threads=args.threads, max_new_token=args.max_new_token,
             stream_tokens=args.stream_tokens, decode_tokens=args.decode_tokens,
             fake_rtf=args.fake_rtf, dtype=args.dtype, kernels=args.kernels,
-            compile=args.compile,
+            compile=args.compile, kv_dtype=args.kv_dtype,
             batch_rows=args.max_batch_size,
             voice_models=tuple(args.voice_model), piper_workers=args.piper_workers,
         ),

@@ -227,7 +227,8 @@ class ChatTTSEngine:
             kv, kv_us = kernels.choose_kv_dtype(
                 "fp32" if exact else cfg.dtype, g.num_hidden_layers, g.num_key_value_heads,
                 head_dim, rows=min(4, max(1, cfg.batch_rows)),
-                device="cpu" if self.device == "cpu" else "cuda", compiled=cfg.compile)
+                device="cpu" if self.device == "cpu" else "cuda", compiled=cfg.compile,
+                force=cfg.kv_dtype)
             self.kernel_table.kv_dtype, self.kernel_table.kv_us = kv, kv_us
             if kv_us:
                 logger.info("GPT keys/values in %s (%s us per layer: %s)", kv,
@@ -571,9 +572,9 @@ class ChatTTSEngine:
         kv = sdpa = None
         solo = True
         if table is not None:
-            kv = getattr(torch, kernels.KV_DTYPES[table.kv_dtype])
-            sdpa = getattr(torch, kernels.KV_DTYPES[kernels.sdpa_dtype(table.kv_dtype,
-                                                                       table.kv_us)])
+            kv = getattr(torch, kernels.KV_TORCH[table.kv_dtype])
+            sdpa = getattr(torch, kernels.KV_TORCH[kernels.sdpa_dtype(table.kv_dtype,
+                                                                      table.kv_us)])
             solo = kernels.solo_attention(table.kv_dtype, table.kv_us)
         return BatchedGpt(chat.gpt, chat.config.gpt.num_vq,
                           eos_token=chat.config.gpt.num_audio_tokens - 1, slots=slots,

@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rtts.engines.kernels import KernelTable, decode_attention
+from rtts.engines.kernels import KernelTable, decode_attention, decode_attention_int8, quantize_kv
 from rtts.engines.kernels import install_heads as _heads_kernel
 
 __all__ = ["BatchedGpt", "CompiledDecode", "GptRow", "RowSpec", "ThreadTuner",
@@ -238,6 +238,13 @@ class BatchedGpt:
         # the precision SDPA reads them in (prefill, eager decode): kv_dtype, or fp32 where
         # bf16 SDPA is slower (kernels.sdpa_dtype); a compiled CPU step reads kv_dtype
         self.sdpa_dtype = sdpa_dtype if sdpa_dtype is not None and self.lean else self.kv_dtype
+        # int8 keys/values (kernels.quantize_kv): their scales in buffers beside them,
+        # (slots, heads, columns) each (in one buffer as [..., 2], a compiled step's write
+        # through the last index was not done in place: the graph's own loops went from
+        # 5.6 to 13 ms at 4 rows)
+        self.kv_int8 = self.kv_dtype == torch.int8
+        if self.kv_int8 and self.sdpa_dtype == torch.int8:
+            self.sdpa_dtype = torch.float32
         # fused projections (fuse_projections): one matmul for q/k/v, one for gate/up
         self.fused = self.lean and all(hasattr(layer.self_attn, "rtts_qkv")
                                        and hasattr(layer.mlp, "rtts_gate_up")
@@ -255,6 +262,8 @@ class BatchedGpt:
         self.forward_rows: list[int] = []
         self.keys: list[Any] = []
         self.values: list[Any] = []
+        self.key_scales: list[Any] = []  # int8 keys/values only
+        self.value_scales: list[Any] = []
         self.valid = torch.zeros(slots, 0, dtype=torch.bool, device=self.device)
         self._alloc(columns)
         self.cache = _SlotCache(self.keys, self.values)
@@ -276,14 +285,25 @@ class BatchedGpt:
         kv = self.kv_dtype
         new_k = [torch.zeros(shape, dtype=kv, device=self.device) for _ in self.layers]
         new_v = [torch.zeros(shape, dtype=kv, device=self.device) for _ in self.layers]
+        old_ks, old_vs = self.key_scales, self.value_scales
+        new_ks: list[Any] = []
+        new_vs: list[Any] = []
+        if self.kv_int8:
+            new_ks = [torch.zeros(slots, heads, columns, device=self.device)
+                      for _ in self.layers]
+            new_vs = [torch.zeros(slots, heads, columns, device=self.device)
+                      for _ in self.layers]
         valid = torch.zeros(slots, columns, dtype=torch.bool, device=self.device)
         if keep:
-            for dst, src in ((new_k, old_k), (new_v, old_v)):
+            for dst, src in ((new_k, old_k), (new_v, old_v), (new_ks, old_ks),
+                             (new_vs, old_vs)):
                 for d, s in zip(dst, src, strict=True):
                     d[:, :, :keep] = s[:, :, :keep]
             valid[:, :keep] = old_valid[:, :keep]
         self.keys[:] = new_k
         self.values[:] = new_v
+        self.key_scales[:] = new_ks
+        self.value_scales[:] = new_vs
         self.valid = valid
 
     def _move_columns(self, src: int, dst: int, n: int) -> None:
@@ -291,7 +311,7 @@ class BatchedGpt:
         if n <= 0 or src == dst:
             return
         b = len(self.rows)
-        for buf in (*self.keys, *self.values):
+        for buf in (*self.keys, *self.values, *self.key_scales, *self.value_scales):
             buf[:b, :, dst:dst + n] = buf[:b, :, src:src + n].clone()
         block = self.valid[:b, src:src + n].clone()
         self.valid[:b, min(src, dst):max(src, dst) + n] = False
@@ -358,6 +378,7 @@ class BatchedGpt:
         # (not inside torch.compile: a thread switch is not an op it can trace)
         solo = q == 1 and threads > 1 and self.solo_attention
         kv = self.kv_dtype
+        int8 = self.kv_int8
         cast = kv != h.dtype
         fused = self.fused
         cos, sin = cos_sin[0].unsqueeze(1), cos_sin[1].unsqueeze(1)  # (n, 1, q, d)
@@ -377,15 +398,28 @@ class BatchedGpt:
             rot = torch.cat((qk[..., half:].neg(), qk[..., :half]), -1)
             qk = qk * cos + rot * sin
             kb, vb = self.keys[i], self.values[i]
-            kb[rows, :, write:end] = qk[:, heads:]
-            vb[rows, :, write:end] = v
+            if int8:
+                ksb, vsb = self.key_scales[i], self.value_scales[i]
+                kb[rows, :, write:end], ksb[rows, :, write:end] = quantize_kv(qk[:, heads:])
+                vb[rows, :, write:end], vsb[rows, :, write:end] = quantize_kv(v)
+            else:
+                kb[rows, :, write:end] = qk[:, heads:]
+                vb[rows, :, write:end] = v
             k_read, v_read = kb[rows, :, read:end], vb[rows, :, read:end]
             if compiling and q == 1 and h.device.type == "cpu":
                 # CompiledDecode on a CPU: reductions that read the kv buffer as it is
                 # (kernels.decode_attention); a GPU keeps SDPA's fused kernels
-                o = decode_attention(qk[:, :heads], k_read, v_read, mask, attn.scaling)
+                if int8:
+                    o = decode_attention_int8(qk[:, :heads], k_read, ksb[rows, :, read:end],
+                                              v_read, vsb[rows, :, read:end], mask,
+                                              attn.scaling)
+                else:
+                    o = decode_attention(qk[:, :heads], k_read, v_read, mask, attn.scaling)
             else:
                 sd = self.sdpa_dtype
+                if int8:  # dequantized (prefill reads its own columns; eager decode all)
+                    k_read = k_read.float() * ksb[rows, :, read:end].unsqueeze(-1)
+                    v_read = v_read.float() * vsb[rows, :, read:end].unsqueeze(-1)
                 if sd != kv:  # (a copy of these rows' columns, in the precision SDPA is fast in)
                     k_read, v_read = k_read.to(sd), v_read.to(sd)
                 o = F.scaled_dot_product_attention(qk[:, :heads].to(sd), k_read, v_read,
@@ -601,7 +635,7 @@ class BatchedGpt:
         if keep and keep != list(range(len(keep))):
             idx = torch.tensor(keep, device=self.device)
             cols = self.t
-            for buf in (*self.keys, *self.values):
+            for buf in (*self.keys, *self.values, *self.key_scales, *self.value_scales):
                 buf[: len(keep), :, :cols] = buf[idx, :, :cols]
             self.valid[: len(keep)] = self.valid[idx]
         self.rows = [self.rows[k] for k in keep]

@@ -347,17 +347,23 @@ class BatchedGpt:
         if len(self.forward_rows) >= 2 * FORWARDS_KEPT:  # a batch can run for days
             del self.forward_rows[:FORWARDS_KEPT]
         h = x.to(self.device, self.dtype)
+        if self.lean and self.decode is not None and h.shape[1] == 1:
+            return self.decode(self, h, pos, mask, rows, write, read)
         cos_sin = self.model.rotary_emb(h, position_ids=pos)
         if self.lean:
-            if self.decode is not None and h.shape[1] == 1:
-                h = self.decode(self, h, cos_sin, mask, rows, write, read)
-            else:
-                h = self._lean_layers(h, cos_sin, mask, rows, write, read)
-            return self.model.norm(h)
+            return self.model.norm(self._lean_layers(h, cos_sin, mask, rows, write, read))
         for layer in self.layers:
             h = layer(h, attention_mask=mask, position_ids=pos, cache=self.cache,
                       position_embeddings=cos_sin)
         return self.model.norm(h)
+
+    def _lean_decode(self, h: Any, pos: Any, mask: Any, rows: slice, write: int,
+                     read: int) -> Any:
+        """A decode step from the summed code embeddings ``h`` (n, 1, H) to the final
+        norm: what :class:`CompiledDecode` compiles (the rotary embedding and the norm
+        inside the graph: as eager ops around it they were ~15 small ops a step)."""
+        cos_sin = self.model.rotary_emb(h, position_ids=pos)
+        return self.model.norm(self._lean_layers(h, cos_sin, mask, rows, write, read))
 
     def _lean_layers(self, h: Any, cos_sin: tuple[Any, Any], mask: Any, rows: slice,
                      write: int, read: int) -> Any:
@@ -723,8 +729,9 @@ def top_p_filter(logits: Any, top_p: Any) -> Any:
 
 
 class CompiledDecode:
-    """The decode step's layer loop (:meth:`BatchedGpt._lean_layers` at one new token per
-    row) through ``torch.compile`` (inductor): the norms, rotary embedding, residual adds,
+    """The decode step (:meth:`BatchedGpt._lean_decode`: the rotary embedding, the layer
+    loop and the final norm at one new token per row) through ``torch.compile``
+    (inductor): the norms, rotary embedding, residual adds,
     SiLU gating and casts of 20 layers become a few generated C++ loops instead of ~1,000
     eager ops, each of which costs 5-20 us of dispatch on a small CPU (the linear kernels
     stay the ones :mod:`rtts.engines.kernels` installed, called from the compiled code).
@@ -747,7 +754,7 @@ class CompiledDecode:
         # its graphs on the function's code object, so each instance compiles a copy of
         # its own (two compiled models in one process, as in `rtts bench realtime`, ran
         # the first model's graph, and kernels, for the second).
-        fn = BatchedGpt._lean_layers
+        fn = BatchedGpt._lean_decode
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                                  fn.__defaults__, fn.__closure__)
         self._fn = torch.compile(own, dynamic=True, options={
@@ -755,14 +762,14 @@ class CompiledDecode:
         self.ready = False
         self.compile_s = 0.0
 
-    def __call__(self, gpt: BatchedGpt, h: Any, cos_sin: tuple[Any, Any], mask: Any,
-                 rows: slice, write: int, read: int) -> Any:
+    def __call__(self, gpt: BatchedGpt, h: Any, pos: Any, mask: Any, rows: slice, write: int,
+                 read: int) -> Any:
         import torch
 
         if not self.ready:
-            return self._fn(gpt, h, cos_sin, mask, rows, write, read)
+            return self._fn(gpt, h, pos, mask, rows, write, read)
         with torch.compiler.set_stance("eager_on_recompile"):
-            return self._fn(gpt, h, cos_sin, mask, rows, write, read)
+            return self._fn(gpt, h, pos, mask, rows, write, read)
 
     def compile(self, make: Callable[[int], BatchedGpt], prompt: Callable[[int], list[RowSpec]],
                 slots: int, steps: int = 3) -> float:

@@ -104,21 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-token", type=int, default=EngineConfig.max_new_token,
                    help="most GPT steps per segment (47 a second of audio)")
     s.add_argument("--dtype", choices=["auto", "fp32", "bf16", "int8", "int4"],
-                   default=EngineConfig.dtype, help="GPT weight precision (auto: fp32 or "
-                   "bf16, whichever measures faster at load; int8, int4: weight-only, "
-                   "see docs/benchmarks/cpu-realtime.md for accuracy)")
+                   default=EngineConfig.dtype, help="GPT weights (auto: fp32 or bf16, the "
+                   "faster here; int8/int4 accuracy: docs/benchmarks/cpu-realtime.md)")
     s.add_argument("--compile", action="store_true", default=EngineConfig.compile,
                    help="ChatTTS: the GPT decode step through torch.compile (faster on a "
                         "small CPU; 1-2 minutes more to start)")
     s.add_argument("--kv-dtype", choices=["auto", "fp32", "bf16", "int8"],
                    default=EngineConfig.kv_dtype,
-                   help="ChatTTS: the GPT's keys/values (auto: measured at load; int8 is "
-                        "a candidate of --compile with --dtype int8/int4)")
+                   help="ChatTTS GPT keys/values (auto: timed at load)")
     s.add_argument("--kernels", default=EngineConfig.kernels,
                    choices=["auto", "linear", "transposed", "bf16", "bf16p", "int8", "int8bf",
                             "int4", "int8dyn"],
-                   help="GPT linear kernel: auto measures each path at load and keeps "
-                        "the fastest per batch size")
+                   help="GPT linear kernel (auto: the fastest measured per batch size)")
     s.add_argument("--stream-tokens", type=int, default=EngineConfig.stream_tokens,
                    help="GPT steps between partial decodes (first audio after this many)")
     s.add_argument("--decode-tokens", type=int, default=EngineConfig.decode_tokens,
@@ -324,8 +321,8 @@ SERVE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("network", ("host", "port", "wyoming_port", "wyoming_host", "trusted_proxy", "web_dir",
                  "instance_id")),
     ("model and engines", ("engine", "voice_model", "piper_workers", "source", "model_dir",
-                           "device", "threads", "max_new_token", "dtype", "compile", "kernels",
-                           "stream_tokens", "decode_tokens", "voices_dir", "fake_rtf")),
+                           "device", "threads", "max_new_token", "dtype", "compile", "kv_dtype",
+                           "kernels", "stream_tokens", "decode_tokens", "voices_dir", "fake_rtf")),
     ("batching", ("max_batch_size", "batching", "first_segment_slots", "later_hold",
                   "degraded_slots", "max_wait_ms", "concurrency")),
     ("limits", ("max_queue", "request_timeout", "max_contexts", "max_connections",

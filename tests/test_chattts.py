@@ -410,6 +410,28 @@ def test_rows_started_together_or_joining_mid_batch_match_running_alone(engine):
     assert max(gpt.forward_rows) == 3 and gpt.forward_rows[-1] == 1
 
 
+def _kv_alone_and_joined(engine, kv_dtype, n=12):
+    """TEXTS[0] alone in a batch with ``kv_dtype`` keys/values, then the same text joining
+    a batch of 8 columns after TEXTS[1]'s first 3 steps (the buffer shifts, compacts and
+    grows). Returns (ChatTTS's fp32 hidden states alone, the first batch, its row, the
+    second batch, its rows)."""
+    import torch
+
+    ref = _reference(engine, TEXTS[0], n).hiddens[0]
+    gpt = _gpt(engine, kv_dtype=kv_dtype)
+    with torch.no_grad():
+        [alone] = gpt.add([_spec(engine, TEXTS[0], n)])
+    _finish(gpt, [alone])
+    small = _gpt(engine, columns=8, kv_dtype=kv_dtype)
+    with torch.no_grad():
+        rows = small.add([_spec(engine, TEXTS[1], n)])
+        for _ in range(3):
+            small.step()
+        rows += small.add([_spec(engine, TEXTS[0], n)])
+    _finish(small, rows)
+    return ref, gpt, alone, small, rows
+
+
 def test_bf16_keys_and_values_stay_close_to_fp32_and_keep_joins_consistent(engine):
     """bf16 keys/values (every --dtype but fp32): the first steps' hidden states stay close
     to the fp32 buffers' (the same codes are drawn while they do), and a row that joins
@@ -417,21 +439,10 @@ def test_bf16_keys_and_values_stay_close_to_fp32_and_keep_joins_consistent(engin
     import torch
 
     n = 12
-    ref = _reference(engine, TEXTS[0], n).hiddens[0]
-    gpt = _gpt(engine, kv_dtype=torch.bfloat16)
+    ref, gpt, alone, _small, rows = _kv_alone_and_joined(engine, torch.bfloat16, n)
     assert gpt.keys[0].dtype == torch.bfloat16 and gpt.values[-1].dtype == torch.bfloat16
-    with torch.no_grad():
-        [alone] = gpt.add([_spec(engine, TEXTS[0], n)])
-    _finish(gpt, [alone])
     cos = torch.nn.functional.cosine_similarity(ref[:4], alone.hiddens[:4], dim=-1)
     assert float(cos.min()) > 0.999
-    gpt = _gpt(engine, columns=8, kv_dtype=torch.bfloat16)
-    with torch.no_grad():
-        rows = gpt.add([_spec(engine, TEXTS[1], n)])
-        for _ in range(3):
-            gpt.step()
-        rows += gpt.add([_spec(engine, TEXTS[0], n)])
-    _finish(gpt, rows)
     assert torch.allclose(alone.hiddens[:n], rows[1].hiddens[:n], atol=1e-2)
 
 
@@ -443,24 +454,13 @@ def test_int8_keys_and_values_stay_close_and_keep_joins_consistent(engine):
     import torch
 
     n = 12
-    ref = _reference(engine, TEXTS[0], n).hiddens[0]
-    gpt = _gpt(engine, kv_dtype=torch.int8)
+    ref, gpt, alone, small, rows = _kv_alone_and_joined(engine, torch.int8, n)
     assert gpt.keys[0].dtype == torch.int8 and gpt.sdpa_dtype == torch.float32
     assert len(gpt.key_scales) == len(gpt.value_scales) == len(gpt.keys)
     assert gpt.key_scales[0].shape[-1] == 256
-    with torch.no_grad():
-        [alone] = gpt.add([_spec(engine, TEXTS[0], n)])
-    _finish(gpt, [alone])
     cos = torch.nn.functional.cosine_similarity(ref[:4], alone.hiddens[:4], dim=-1)
     assert float(cos.min()) > 0.99
-    gpt = _gpt(engine, columns=8, kv_dtype=torch.int8)
-    with torch.no_grad():
-        rows = gpt.add([_spec(engine, TEXTS[1], n)])
-        for _ in range(3):
-            gpt.step()
-        rows += gpt.add([_spec(engine, TEXTS[0], n)])
-    _finish(gpt, rows)
-    assert gpt.columns > 8 and gpt.value_scales[0].shape[2] == gpt.columns
+    assert small.columns > 8 and small.value_scales[0].shape[2] == small.columns
     assert torch.allclose(alone.hiddens[:n], rows[1].hiddens[:n], atol=2e-2)
 
 

@@ -688,6 +688,23 @@ def test_compiled_decode_step_matches_eager_and_never_recompiles_while_serving(
     for a, b in zip(got, ref_rows, strict=True):
         cos = torch.nn.functional.cosine_similarity(a.hiddens[:4], b.hiddens[:4], dim=-1)
         assert float(cos.min()) > 0.999
+    # bf16 linears in a compiled step: frozen bf16 weights through inductor's GEMM
+    # template or oneDNN (kernels.TEMPLATE_OPTIONS), the same rows as the eager bf16p loop
+    if kernels.bf16p_available():
+        b16 = ChatTTSEngine(EngineConfig(source="custom", model_dir=tiny_checkpoint,
+                                         threads=2, stream_tokens=8, dtype="bf16",
+                                         kernels="bf16p", batch_rows=2, compile=True))
+        b16.load()
+        b16.warmup()
+        assert b16.kernel_table is not None and b16.kernel_table.template
+        assert b16.compiled is not None and b16.compiled.options == kernels.TEMPLATE_OPTIONS
+        gpt, eager = b16.batch(2), b16.batch(2)
+        eager.decode = None
+        got = _joined(b16, gpt, TEXTS[0], TEXTS[1:2], n, steps=3)
+        ref_rows = _joined(b16, eager, TEXTS[0], TEXTS[1:2], n, steps=3)
+        for a, b in zip(got, ref_rows, strict=True):
+            cos = torch.nn.functional.cosine_similarity(a.hiddens[:4], b.hiddens[:4], dim=-1)
+            assert float(cos.min()) > 0.999
 
 
 def test_a_due_decode_takes_rows_with_half_a_window_ready():

@@ -80,6 +80,34 @@ def test_prepacked_bf16_computes_what_bf16_linear_does_eager_and_compiled():
             assert torch.allclose(compiled(x), got, atol=1e-3, rtol=1e-3)
 
 
+@needs_bf16p
+def test_template_keeps_bf16_parameters_that_a_compiled_step_freezes():
+    """``install(template=True)`` (a compiled CPU step): where decode steps chose
+    ``bf16p``, each layer keeps its bf16 weight as a parameter; compiled under
+    ``TEMPLATE_OPTIONS`` the linears read them as graph constants (freezing: a later change
+    to the parameter does not reach the graph) through inductor's GEMM or oneDNN, whichever
+    it timed faster, and compute what the eager bf16p path does."""
+    model, ref = _model(), _model()
+    table = kernels.install(model, "bf16", max_rows=2, force="bf16p", template=True)
+    assert table.template and table.as_dict()["template"]
+    for lin, want in ((model[0], ref[0]), (model[2], ref[2])):
+        w = lin.rtts_weights
+        assert isinstance(w.bf16c, torch.nn.Parameter) and not w.bf16c.requires_grad
+        assert torch.equal(w.bf16c, want.weight.detach().to(torch.bfloat16))
+    # not for other paths, nor without a compiled step
+    other = kernels.install(_model(), "int4", max_rows=2, force="int4", template=True)
+    plain = kernels.install(_model(), "bf16", max_rows=2, force="bf16p")
+    assert not other.template and not plain.template
+    compiled = torch.compile(model)
+    x = torch.randn(1, 256)
+    with torch.no_grad(), kernels.inductor_options(kernels.TEMPLATE_OPTIONS):
+        got = compiled(x)
+        eager = model(x)
+        assert torch.allclose(got, eager, atol=2e-2, rtol=2e-2), float((got - eager).abs().max())
+        model[0].rtts_weights.bf16c.zero_()
+        assert torch.equal(compiled(x), got)  # frozen: the graph's own copy
+
+
 @pytest.mark.parametrize("path,native_dtype", [
     ("linear", "float32"), ("transposed", "float32"), ("bf16", "bfloat16"),
     ("int8", "float32"), ("int8bf", "bfloat16"), ("int4", "bfloat16")])

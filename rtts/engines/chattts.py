@@ -220,7 +220,8 @@ class ChatTTSEngine:
             self.kernel_table = kernels.install(
                 chat.gpt.gpt, cfg.dtype, max_rows=cfg.batch_rows,
                 device="cpu" if self.device == "cpu" else "cuda",
-                force=None if cfg.kernels == "auto" else cfg.kernels, uniform=cfg.compile)
+                force=None if cfg.kernels == "auto" else cfg.kernels, uniform=cfg.compile,
+                template=cfg.compile)
             install_heads(chat.gpt, chat.config.gpt.num_vq, self.kernel_table)
             g = chat.gpt.gpt.config
             head_dim = getattr(g, "head_dim", None) or g.hidden_size // g.num_attention_heads
@@ -257,7 +258,8 @@ class ChatTTSEngine:
             self._choose_decode_dtype(DECODE_CANDIDATES[cfg.dtype])
         threads = torch.get_num_threads()
         if cfg.compile and self.select_kernels:
-            self.compiled = CompiledDecode()
+            template = self.kernel_table is not None and self.kernel_table.template
+            self.compiled = CompiledDecode(kernels.TEMPLATE_OPTIONS if template else None)
         if self.device == "cpu":
             # With a compiled step, one count only: its generated loops keep the thread
             # count they were compiled with, so switches would reach only the linears. The

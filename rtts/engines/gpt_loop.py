@@ -47,7 +47,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rtts.engines.kernels import KernelTable, decode_attention, decode_attention_int8, quantize_kv
+from rtts.engines.kernels import (
+    KernelTable,
+    decode_attention,
+    decode_attention_int8,
+    inductor_options,
+    quantize_kv,
+)
 from rtts.engines.kernels import install_heads as _heads_kernel
 
 __all__ = ["BatchedGpt", "CompiledDecode", "GptRow", "RowSpec", "ThreadTuner",
@@ -745,7 +751,7 @@ class CompiledDecode:
     ``eager_on_recompile``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
         import torch
 
         # No guards on the modules: the layers, norms and linear kernels a batch
@@ -759,6 +765,9 @@ class CompiledDecode:
                                  fn.__defaults__, fn.__closure__)
         self._fn = torch.compile(own, dynamic=True, options={
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        # more of inductor's config while it compiles (kernels.TEMPLATE_OPTIONS, patched
+        # around the compiling calls: kernels.inductor_options)
+        self.options = dict(options or {})
         self.ready = False
         self.compile_s = 0.0
 
@@ -767,7 +776,8 @@ class CompiledDecode:
         import torch
 
         if not self.ready:
-            return self._fn(gpt, h, pos, mask, rows, write, read)
+            with inductor_options(self.options):
+                return self._fn(gpt, h, pos, mask, rows, write, read)
         with torch.compiler.set_stance("eager_on_recompile"):
             return self._fn(gpt, h, pos, mask, rows, write, read)
 

@@ -48,16 +48,19 @@ stay fp32.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
 import types
+import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DTYPES", "KV_CHOICES", "KernelTable", "choose_kv_dtype", "decode_attention",
+__all__ = ["DTYPES", "KV_CHOICES", "TEMPLATE_OPTIONS", "KernelTable",
+           "inductor_options", "choose_kv_dtype", "decode_attention",
            "decode_attention_int8", "dynamic_int8", "install", "install_heads", "linears",
            "quantize_kv", "sdpa_dtype", "solo_attention"]
 
@@ -84,6 +87,30 @@ _PREFILL_ONLY = {"int4": ("int8dyn",)}
 # weights (Sapphire Rapids, 2 threads): group 32 is as fast as 64 or 128 at 1-4 rows and
 # the most accurate (weight cosine 0.997 vs 0.995 at 128), so nothing is gained by larger.
 INT4_GROUP = 32
+# inductor's options for a compiled CPU step whose linears are bf16 (install's
+# ``template``): the bf16 weights become graph constants (freezing), and each linear
+# is timed at compile time between inductor's generated GEMM (its AVX-512/AMX
+# micro-kernels) and oneDNN's (max_autotune), the faster kept per shape. On the 2-core
+# AMD EPYC (AVX512-BF16), 80 bf16 linears of the GPT compiled alone took 12.5-13 ms at
+# 1 row against oneDNN's 17.5-18.5 (bf16p), 16.6 against 18.7 at 2 rows, 15.3 against
+# 14.4 at 4 (best of 8; /tmp experiments, see docs/benchmarks/cpu-realtime.md).
+TEMPLATE_OPTIONS = {"freezing": True, "max_autotune": True,
+                    "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
+@contextlib.contextmanager
+def inductor_options(options: dict[str, Any]) -> Iterator[None]:
+    """Inductor's config patched with ``options`` (:data:`TEMPLATE_OPTIONS`) while a
+    compile runs: torch.compile's own ``options`` did not reach ``freezing`` (the linears
+    stayed plain ``aten.mm`` over bf16 weights, 1.5x slower). Freezing reads storages the
+    deprecated way, one ``UserWarning`` each: not shown."""
+    from torch._inductor import config
+
+    with warnings.catch_warnings(), config.patch(options):
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        yield
+
+
 PREFILL_ROWS = 64  # a typical prompt: the row count prefill is timed at
 TIMED_BYTES = 192 * 2**20  # weights timed per path and row count (see install)
 
@@ -103,6 +130,8 @@ class KernelTable:
     # the code heads (install_heads): rows -> path, and path -> rows -> ms of one call
     heads: dict[int, str] = field(default_factory=dict)
     heads_ms: dict[str, dict[int, float]] = field(default_factory=dict)
+    # a compiled step's bf16p linears go through inductor's GEMM template (install)
+    template: bool = False
 
     def linear_ms(self) -> dict[int, float]:
         """rows -> ms of one pass through all the linear layers on the chosen path, the
@@ -125,7 +154,7 @@ class KernelTable:
     def as_dict(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "chosen": self.chosen, "ms": self.ms, "bytes": self.bytes,
                 "kv_dtype": self.kv_dtype, "kv_us": self.kv_us, "heads": self.heads,
-                "heads_ms": self.heads_ms}
+                "heads_ms": self.heads_ms, "template": self.template}
 
 
 def _quantize_int8(weight: Any) -> tuple[Any, Any]:
@@ -178,6 +207,8 @@ class _Weights:
         self.fp32: Any = w.float().contiguous() if paths & {"linear", "transposed"} else None
         self.bf16: Any = w.to(torch.bfloat16).contiguous() if "bf16" in paths else None
         self.bf16p: Any = _prepack_bf16(w) if "bf16p" in paths else None
+        # the bf16 weight as a parameter, for a compiled CPU step (see gemm_template)
+        self.bf16c: Any = None
         self.q: Any = None
         self.scales: Any = None
         self.qdyn: Any = None
@@ -344,8 +375,11 @@ def _path_fn(path: str, native: bool = False) -> Callable[[_Weights, Any], Any]:
         op = torch.ops.rtts.bf16p_linear.default
 
     def bf16p(w: _Weights, x: Any) -> Any:
-        mm = op if torch.compiler.is_compiling() else _bf16p_mm
-        return out(w, mm(x.to(torch.bfloat16), w.bf16p))
+        if not torch.compiler.is_compiling():
+            return out(w, _bf16p_mm(x.to(torch.bfloat16), w.bf16p))
+        if w.bf16c is not None:  # inductor's GEMM template (gemm_template)
+            return out(w, F.linear(x.to(torch.bfloat16), w.bf16c))
+        return out(w, op(x.to(torch.bfloat16), w.bf16p))
 
     def int8(w: _Weights, x: Any) -> Any:
         y = torch.ops.aten._weight_int8pack_mm(x.float(), w.q, w.scales)
@@ -399,7 +433,8 @@ def _time_path(weights: Sequence[_Weights], fn: Callable[[_Weights, Any], Any], 
 
 
 def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "cpu",
-            force: str | None = None, repeat: int = 2, uniform: bool = False) -> KernelTable:
+            force: str | None = None, repeat: int = 2, uniform: bool = False,
+            template: bool = False) -> KernelTable:
     """Measure the candidate paths on ``model``'s linear layers and install the fastest
     per row count (1..``max_rows``); ``force`` installs one path for every row count.
 
@@ -407,7 +442,11 @@ def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "c
     worst slowdown against the fastest path at any of those counts is least, so one
     compiled graph serves them all (with int4 on a Sapphire Rapids Xeon, ``int4`` is
     fastest at 2-4 rows and ``bf16p`` at 5-8: per-count choices would send every step of
-    one of the two ranges to eager)."""
+    one of the two ranges to eager).
+
+    ``template`` (a compiled CPU step): where decode steps chose ``bf16p``, the layers
+    also keep their bf16 weight as a parameter, so the compiled step can hand those
+    linears to inductor's own GEMM template (:data:`TEMPLATE_OPTIONS`)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, not {dtype!r}")
     mods = linears(model)
@@ -477,6 +516,14 @@ def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "c
             w.q4 = w.sz4 = None
         if "int8dyn" not in used:
             w.drop_int8dyn()
+    decode_paths = {p for r, p in table.chosen.items() if r != PREFILL_ROWS}
+    if template and device == "cpu" and "bf16p" in decode_paths:
+        import torch
+
+        table.template = True
+        for module, w in zip(mods, weights, strict=True):
+            w.bf16c = torch.nn.Parameter(module.weight.detach().to(torch.bfloat16).contiguous(),
+                                         requires_grad=False)
     fns = {p: _path_fn(p) for p in used}
     natives = {p: _path_fn(p, native=True) for p in used}
     by_rows = {r: fns[p] for r, p in table.chosen.items() if r != PREFILL_ROWS}

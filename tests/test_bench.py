@@ -186,3 +186,30 @@ def test_bench_settings_name_dtype_compile_and_kv_precision():
     for bad in ("int4+kvfp16", "int4+fast"):
         with pytest.raises(ValueError, match="--dtypes"):
             setting(bad)
+
+
+def test_step_report_leaves_the_linear_share_empty_where_inductor_holds_the_linears(
+        monkeypatch):
+    """A compiled step whose bf16 linears are inductor's (``kernels.template``): an eager
+    pass of the linears would time other kernels, so ``linear_ms`` and the share outside
+    them are None; the step and its multiple of the read limit are still reported."""
+    from types import SimpleNamespace
+
+    import rtts.bench.main as bench_main
+    from rtts.bench import realtime
+    from rtts.engines.kernels import KernelTable
+
+    monkeypatch.setattr(realtime, "read_bandwidth", lambda mb, device="cpu": 1e9)
+    monkeypatch.setattr(bench_main, "_step_ms", lambda engine, rows, steps: 10.0 * rows)
+    monkeypatch.setattr(realtime, "linear_pass_ms", lambda engine, rows: 4.0 * rows)
+    for template, share in ((True, None), (False, 0.6)):
+        table = KernelTable("auto", {1: "bf16p", 2: "bf16p"}, bytes={"bf16p": 5_000_000},
+                            template=template)
+        rep = realtime.step_report(SimpleNamespace(kernel_table=table, device="cpu"), [1, 2],
+                                   steps=4, bandwidth_mb=1)
+        assert [r["step_ms"] for r in rep["rows"].values()] == [10.0, 20.0]
+        assert rep["rows"][1]["outside_linear_share"] == (
+            None if share is None else pytest.approx(share))
+        assert (rep["rows"][2]["linear_ms"] is None) == template
+        assert rep["read_limit_ms"] == pytest.approx(5.0)
+        assert rep["step1_over_limit"] == pytest.approx(2.0)

@@ -264,8 +264,8 @@ def step_report(engine: Any, rows: Sequence[int], steps: int, bandwidth_mb: int
                            "read_bandwidth_gb_s": bandwidth / 1e9}
     # a compiled step whose linears are inductor's (kernels.TEMPLATE_OPTIONS): an eager
     # pass of the linears times other kernels, so the share is not known (None)
-    template = bool(table is not None and table.template
-                    and getattr(engine, "compiled", None) is not None)
+    # (table.template is set only for a compiled step)
+    template = bool(table is not None and table.template)
     for r in rows:
         step = _step_ms(engine, r, steps)
         lin = None if template else linear_pass_ms(engine, r)

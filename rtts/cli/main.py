@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "faster here; int8/int4 accuracy: docs/benchmarks/cpu-realtime.md)")
     s.add_argument("--compile", action="store_true", default=EngineConfig.compile,
                    help="ChatTTS: the GPT decode step through torch.compile (faster on a "
-                        "small CPU; 1-2 minutes more to start)")
+                        "small CPU; 2-5 minutes more to start)")
     s.add_argument("--kv-dtype", choices=["auto", "fp32", "bf16", "int8"],
                    default=EngineConfig.kv_dtype,
                    help="ChatTTS GPT keys/values (auto: timed at load)")

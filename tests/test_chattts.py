@@ -657,14 +657,31 @@ def test_compiled_decode_step_matches_eager_and_never_recompiles_while_serving(
     # a second compiled model in the same process compiles graphs of its own: sharing the
     # first one's (dynamo keeps graphs per code object, and module guards are skipped)
     # ran the first model's weights and kernels for the second
+    # auto with oneDNN's bf16 linears (bf16p, as auto picks on a CPU with native bf16):
+    # frozen bf16 weights through inductor's GEMM template or oneDNN, whichever it timed
+    # faster (kernels.TEMPLATE_OPTIONS); its rows match the eager bf16p loop's
+    template = kernels.bf16p_available()
     for dtype in ("auto", "int4"):  # (as `rtts bench realtime --dtypes auto+compile,int4+compile`)
-        other = ChatTTSEngine(EngineConfig(source="custom", model_dir=tiny_checkpoint,
-                                           threads=2, stream_tokens=8, dtype=dtype,
-                                           batch_rows=4, compile=True))
+        other = ChatTTSEngine(EngineConfig(
+            source="custom", model_dir=tiny_checkpoint, threads=2, stream_tokens=8,
+            dtype=dtype, batch_rows=4, compile=True,
+            kernels="bf16p" if dtype == "auto" and template else "auto"))
         other.load()
         before = counters["stats"]["unique_graphs"]
         other.warmup()
         assert counters["stats"]["unique_graphs"] >= before + 2, dtype
+        assert other.kernel_table is not None and other.compiled is not None
+        if dtype == "auto" and template:
+            assert other.kernel_table.template
+            assert other.compiled.options == kernels.TEMPLATE_OPTIONS
+            gpt, eager = other.batch(4), other.batch(4)
+            eager.decode = None
+            got = _joined(other, gpt, TEXTS[0], TEXTS[1:3], n, steps=3)
+            ref_rows = _joined(other, eager, TEXTS[0], TEXTS[1:3], n, steps=3)
+            for a, b in zip(got, ref_rows, strict=True):
+                cos = torch.nn.functional.cosine_similarity(a.hiddens[:4], b.hiddens[:4],
+                                                            dim=-1)
+                assert float(cos.min()) > 0.999
     want = _reference(other, TEXTS[0], n).hiddens[0]
     gpt = other.batch(4)
     assert gpt.decode is other.compiled
@@ -688,23 +705,6 @@ def test_compiled_decode_step_matches_eager_and_never_recompiles_while_serving(
     for a, b in zip(got, ref_rows, strict=True):
         cos = torch.nn.functional.cosine_similarity(a.hiddens[:4], b.hiddens[:4], dim=-1)
         assert float(cos.min()) > 0.999
-    # bf16 linears in a compiled step: frozen bf16 weights through inductor's GEMM
-    # template or oneDNN (kernels.TEMPLATE_OPTIONS), the same rows as the eager bf16p loop
-    if kernels.bf16p_available():
-        b16 = ChatTTSEngine(EngineConfig(source="custom", model_dir=tiny_checkpoint,
-                                         threads=2, stream_tokens=8, dtype="bf16",
-                                         kernels="bf16p", batch_rows=2, compile=True))
-        b16.load()
-        b16.warmup()
-        assert b16.kernel_table is not None and b16.kernel_table.template
-        assert b16.compiled is not None and b16.compiled.options == kernels.TEMPLATE_OPTIONS
-        gpt, eager = b16.batch(2), b16.batch(2)
-        eager.decode = None
-        got = _joined(b16, gpt, TEXTS[0], TEXTS[1:2], n, steps=3)
-        ref_rows = _joined(b16, eager, TEXTS[0], TEXTS[1:2], n, steps=3)
-        for a, b in zip(got, ref_rows, strict=True):
-            cos = torch.nn.functional.cosine_similarity(a.hiddens[:4], b.hiddens[:4], dim=-1)
-            assert float(cos.min()) > 0.999
 
 
 def test_a_due_decode_takes_rows_with_half_a_window_ready():

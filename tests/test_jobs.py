@@ -627,3 +627,39 @@ async def test_a_segment_finishing_after_its_job_was_cancelled_is_dropped_quietl
         assert not path.parent.exists()  # written, refused, removed with its directory
     finally:
         await store.aclose()
+
+
+async def test_cancel_tries_again_when_a_worker_writes_the_job_meanwhile(
+        redis_url, tmp_path, monkeypatch):
+    """Found in CI: a worker wrote the job (its progress) between cancel's watched read
+    and its transaction, the transaction aborted (WatchError) and DELETE answered 503. The
+    cancel now reads and writes again."""
+    store = JobStore(jobs_config(redis_url, tmp_path))
+    other = store.redis.client()  # another connection: the worker's
+    try:
+        await store.begin("j1", "anonymous", "wav", 24000, {})
+        real = store.redis.pipeline
+        raced: list[int] = []
+
+        def pipeline(*args, **kwargs):
+            pipe = real(*args, **kwargs)
+            hget = pipe.hget
+
+            async def racing_hget(*a):
+                out = await hget(*a)
+                if not raced:  # the worker writes between the read and the transaction
+                    raced.append(1)
+                    await other.hset(store.key("j1"), "progress", 1)
+                return out
+
+            pipe.hget = racing_hget
+            return pipe
+
+        monkeypatch.setattr(store.redis, "pipeline", pipeline)
+        assert await store.cancel("j1")
+        assert raced == [1]
+        assert (await store.redis.hget(store.key("j1"), "state")).decode() == "cancelled"
+        assert not await store.cancel("j1")  # final now
+    finally:
+        await other.aclose()
+        await store.aclose()

@@ -60,6 +60,8 @@ __all__ = ["JobRecord", "JobStore", "QueueEntry", "segment_ext"]
 
 logger = logging.getLogger("rtts.jobs.store")
 
+CANCEL_TRIES = 20  # watched transactions a cancel tries before the error goes up
+
 _COMPLETE = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if state == false or state == 'cancelled' or state == 'failed' then return -1 end
@@ -269,18 +271,31 @@ class JobStore:
     # -- changing state ----------------------------------------------------------------
 
     async def cancel(self, job: str) -> bool:
-        """Cancel a job that has not finished; delete its stored audio. False if final."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            await pipe.watch(self.key(job))
-            state = _s(await pipe.hget(self.key(job), "state"))
-            if state in (JobState.DONE, JobState.FAILED, JobState.CANCELLED, ""):
-                await pipe.unwatch()
-                return False
-            pipe.multi()
-            pipe.hset(self.key(job), mapping={"state": JobState.CANCELLED,
-                                              "finished": time.time()})
-            pipe.delete(self.key(job, "segs"))
-            await pipe.execute()
+        """Cancel a job that has not finished; delete its stored audio. False if final.
+
+        The state is read and changed in one watched transaction; a worker's write to the
+        job between the two (its progress, its start) aborts it, and it is tried again
+        (CANCEL_TRIES times: CI once saw the first try fail, and the DELETE answered 503)."""
+        from redis.exceptions import WatchError
+
+        for attempt in range(CANCEL_TRIES):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                await pipe.watch(self.key(job))
+                state = _s(await pipe.hget(self.key(job), "state"))
+                if state in (JobState.DONE, JobState.FAILED, JobState.CANCELLED, ""):
+                    await pipe.unwatch()
+                    return False
+                pipe.multi()
+                pipe.hset(self.key(job), mapping={"state": JobState.CANCELLED,
+                                                  "finished": time.time()})
+                pipe.delete(self.key(job, "segs"))
+                try:
+                    await pipe.execute()
+                    break
+                except WatchError:
+                    if attempt + 1 == CANCEL_TRIES:
+                        raise
+                    logger.debug("job %s changed while it was cancelled; again", job)
         await asyncio.to_thread(shutil.rmtree, self.dir / job, True)
         owner = _s(await self.redis.hget(self.key(job), "owner"))
         if owner and await self.redis.hexists(self.owner_key(owner), job):

@@ -674,6 +674,7 @@ def test_compiled_decode_step_matches_eager_and_never_recompiles_while_serving(
         if dtype == "auto" and template:
             assert other.kernel_table.template
             assert other.compiled.options == kernels.TEMPLATE_OPTIONS
+            assert other.info.kernels is not None and other.info.kernels["template"]
             gpt, eager = other.batch(4), other.batch(4)
             eager.decode = None
             got = _joined(other, gpt, TEXTS[0], TEXTS[1:3], n, steps=3)

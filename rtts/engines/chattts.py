@@ -166,6 +166,7 @@ class ChatTTSEngine:
         kern: dict[str, Any] | None = (None if table is None else
                                        {"dtype": table.dtype, "chosen": table.chosen,
                                         "kv_dtype": table.kv_dtype,
+                                        "template": table.template,
                                         "decode_dtype": self.decode_dtype,
                                         # the linears' ms per row count, timed at load (the
                                         # scheduler's estimate for a count not run yet)

@@ -207,7 +207,7 @@ class _Weights:
         self.fp32: Any = w.float().contiguous() if paths & {"linear", "transposed"} else None
         self.bf16: Any = w.to(torch.bfloat16).contiguous() if "bf16" in paths else None
         self.bf16p: Any = _prepack_bf16(w) if "bf16p" in paths else None
-        # the bf16 weight as a parameter, for a compiled CPU step (see gemm_template)
+        # the bf16 weight as a parameter, for a compiled CPU step (install's template)
         self.bf16c: Any = None
         self.q: Any = None
         self.scales: Any = None
@@ -377,7 +377,7 @@ def _path_fn(path: str, native: bool = False) -> Callable[[_Weights, Any], Any]:
     def bf16p(w: _Weights, x: Any) -> Any:
         if not torch.compiler.is_compiling():
             return out(w, _bf16p_mm(x.to(torch.bfloat16), w.bf16p))
-        if w.bf16c is not None:  # inductor's GEMM template (gemm_template)
+        if w.bf16c is not None:  # inductor's GEMM template (TEMPLATE_OPTIONS)
             return out(w, F.linear(x.to(torch.bfloat16), w.bf16c))
         return out(w, op(x.to(torch.bfloat16), w.bf16p))
 

@@ -455,3 +455,53 @@ def test_int8dyn_registry_lets_the_packed_weights_go_with_their_model():
     assert kernels._INT8DYN[index]() is None
     with pytest.raises(RuntimeError, match="released"):
         kernels._int8dyn_mm(x, index, 512)
+
+
+def test_fp16_weights_compute_in_fp32_eager_and_compiled():
+    """``fp16``: fp16 weights, fp32 sums. Compiled, the linear is a product and a sum
+    that inductor fuses with the upcast (``kernels.fp16_linear``); eager, torch's fp16
+    GEMV at 1 row, else (2+ rows, activations beyond fp16's range) an fp32 product. All
+    three compute what the fp32 layers do, to fp16's rounding of the weights."""
+    model, ref = _model(), _model()
+    table = kernels.install(model, "auto", max_rows=2, force="fp16")
+    assert set(table.chosen.values()) == {"fp16"}
+    w = model[0].rtts_weights
+    assert w.fp16.dtype == torch.float16 and w.fp32 is None and w.bf16 is None
+    assert table.bytes["fp16"] == 2 * (256 * 512 + 512 * 256)
+    compiled = torch.compile(model, dynamic=True)
+    with torch.no_grad():
+        for rows, scale in ((1, 1.0), (2, 1.0), (3, 1.0), (1, 1e5)):
+            x = torch.randn(rows, 256) * scale
+            want = ref(x)
+            for got in (model(x), compiled(x)):
+                assert got.dtype == torch.float32 and torch.isfinite(got).all()
+                cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+                assert cos > 0.99999, (rows, scale, float(cos))
+                assert torch.allclose(got, want, rtol=1e-2, atol=1e-3 * scale)
+
+
+def test_fp16_is_a_compiled_candidate_of_auto_only_where_onednn_has_no_bf16(monkeypatch):
+    """``auto`` with a compiled CPU step (``template``) on a CPU without oneDNN bf16 also
+    times ``fp16``, compiled as the step runs it, for the 1-row decode step only; not
+    without a compiled step, not for the other dtypes, not where a weight is beyond
+    fp16's range. Where 1 row chose it, the compiled step gets ``FP16_OPTIONS``."""
+    monkeypatch.setattr(kernels, "bf16p_available", lambda: False)
+    table = kernels.install(_model(), "auto", max_rows=2, repeat=1, template=True)
+    assert set(table.ms["fp16"]) == {1}
+    assert "fp16" not in (table.chosen[2], table.chosen[kernels.PREFILL_ROWS])
+    for rows in (1, 2):
+        assert table.ms[table.chosen[rows]][rows] == min(m[rows] for m in table.ms.values()
+                                                         if rows in m)
+    table.chosen[1] = "fp16"
+    assert kernels.compile_options(table) == kernels.FP16_OPTIONS
+    table.chosen[1] = table.chosen[2]
+    assert kernels.compile_options(table) is None and kernels.compile_options(None) is None
+    table.template = True
+    assert kernels.compile_options(table) == kernels.TEMPLATE_OPTIONS
+    assert "fp16" not in kernels.install(_model(), "auto", max_rows=2, repeat=1).ms
+    assert "fp16" not in kernels.install(_model(), "fp32", max_rows=2, repeat=1,
+                                         template=True).ms
+    big = _model()
+    with torch.no_grad():
+        big[0].weight[0, 0] = 7e4
+    assert "fp16" not in kernels.install(big, "auto", max_rows=2, repeat=1, template=True).ms

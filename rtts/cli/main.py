@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default=EngineConfig.kv_dtype,
                    help="ChatTTS GPT keys/values (auto: timed at load)")
     s.add_argument("--kernels", default=EngineConfig.kernels,
-                   choices=["auto", "linear", "transposed", "bf16", "bf16p", "int8", "int8bf",
-                            "int4", "int8dyn"],
+                   choices=["auto", "linear", "transposed", "bf16", "bf16p", "fp16", "int8",
+                            "int8bf", "int4", "int8dyn"],
                    help="GPT linear kernel (auto: the fastest measured per batch size)")
     s.add_argument("--stream-tokens", type=int, default=EngineConfig.stream_tokens,
                    help="GPT steps between partial decodes (first audio after this many)")

@@ -259,8 +259,7 @@ class ChatTTSEngine:
             self._choose_decode_dtype(DECODE_CANDIDATES[cfg.dtype])
         threads = torch.get_num_threads()
         if cfg.compile and self.select_kernels:
-            template = self.kernel_table is not None and self.kernel_table.template
-            self.compiled = CompiledDecode(kernels.TEMPLATE_OPTIONS if template else None)
+            self.compiled = CompiledDecode(kernels.compile_options(self.kernel_table))
         if self.device == "cpu":
             # With a compiled step, one count only: its generated loops keep the thread
             # count they were compiled with, so switches would reach only the linears. The

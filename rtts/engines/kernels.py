@@ -59,7 +59,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DTYPES", "KV_CHOICES", "TEMPLATE_OPTIONS", "KernelTable",
+__all__ = ["DTYPES", "FP16_OPTIONS", "KERNEL_CHOICES", "KV_CHOICES", "TEMPLATE_OPTIONS",
+           "KernelTable", "compile_options",
            "inductor_options", "choose_kv_dtype", "decode_attention",
            "decode_attention_int8", "dynamic_int8", "install", "install_heads", "linears",
            "quantize_kv", "sdpa_dtype", "solo_attention"]
@@ -67,6 +68,9 @@ __all__ = ["DTYPES", "KV_CHOICES", "TEMPLATE_OPTIONS", "KernelTable",
 logger = logging.getLogger("rtts.kernels")
 
 DTYPES = ("auto", "fp32", "bf16", "int8", "int4")
+# --kernels: auto (timed at load), or one path forced for every row count
+KERNEL_CHOICES = ("auto", "linear", "transposed", "bf16", "bf16p", "fp16", "int8", "int8bf",
+                  "int4", "int8dyn")
 # auto: the near-lossless paths (fp32 and bf16), the fastest measured per row count
 _CANDIDATES = {"auto": ("linear", "transposed", "bf16", "bf16p"),
                "fp32": ("linear", "transposed"), "bf16": ("bf16", "bf16p", "linear"),
@@ -83,6 +87,23 @@ _CANDIDATES = {"auto": ("linear", "transposed", "bf16", "bf16p"),
 # activations and cannot fuse with its neighbours) the 4-row step measured 21-27 ms at 78
 # columns against int4's 18.0-18.1, and 27-31 against 23-24 at 338 columns.
 _PREFILL_ONLY = {"int4": ("int8dyn",)}
+# ``fp16``: fp16 weights whose compiled form (gpt_loop.CompiledDecode) is a dot product
+# that inductor fuses with the upcast, in fp32 (:func:`fp16_linear`): half fp32's bytes,
+# ten mantissa bits to bf16's seven. Offered to ``auto``'s decode rows only for a
+# compiled CPU step where oneDNN has no bf16 kernels (install's ``template``), and timed
+# compiled. Measured on a 2-core AMD EPYC with AVX2 only (Zen 3; ``lscpu`` family 25
+# model 1), the GPT's 80 linears at 1 row, ms, best of 8: this 17.9, inductor's GEMM
+# template over fp32 31-36, torch's bf16 GEMV (``bf16``) 29-38, MKL fp32 (``linear``) 87.
+# Offered at 1 row only: a dot product per output reads the weights once per row, so at
+# 2+ rows it lost to the others inside the real step (a forced 4-row step took 337 ms).
+COMPILED_ONLY = ("fp16",)
+FP16_MAX = 6.0e4  # weights beyond fp16's range (65504) keep fp16 out of the candidates
+# Inductor's config for a compiled step whose 1-row linears are ``fp16``: realize every
+# pointwise result of more than 4 ops. By default (50 ops on a CPU) the RMS norm before
+# the qkv and gate/up projections was inlined into their dot products, so each 16 weights
+# of the inner loop recomputed the residual sum, a division and a square root: the 1-row
+# step took 38-41 ms with 17-18 ms of linears. With this: 23.5-23.9 ms (same machine).
+FP16_OPTIONS = {"realize_opcount_threshold": 4}
 # int4 group size: 32 input channels per (scale, zero). Measured on full-size random
 # weights (Sapphire Rapids, 2 threads): group 32 is as fast as 64 or 128 at 1-4 rows and
 # the most accurate (weight cosine 0.997 vs 0.995 at 128), so nothing is gained by larger.
@@ -109,6 +130,17 @@ def inductor_options(options: dict[str, Any]) -> Iterator[None]:
     with warnings.catch_warnings(), config.patch(options):
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
         yield
+
+
+def compile_options(table: KernelTable | None) -> dict[str, Any] | None:
+    """Inductor's config for a compiled decode step over ``table``'s linears:
+    :data:`TEMPLATE_OPTIONS` for inductor's GEMM template, :data:`FP16_OPTIONS` where a
+    decode row count runs ``fp16``, else none."""
+    if table is None:
+        return None
+    if table.template:
+        return TEMPLATE_OPTIONS
+    return FP16_OPTIONS if "fp16" in table.chosen.values() else None
 
 
 PREFILL_ROWS = 64  # a typical prompt: the row count prefill is timed at
@@ -190,7 +222,8 @@ def _path_bytes(path: str, module: Any) -> int:
     """Bytes one pass reads of ``module``'s weight in ``path``'s form."""
     n, k = module.weight.shape
     per = {"linear": 4 * n * k, "transposed": 4 * n * k, "bf16": 2 * n * k, "bf16p": 2 * n * k,
-           "int8": n * k + 4 * n, "int8bf": n * k + 2 * n, "int8dyn": n * k + 4 * n,
+           "fp16": 2 * n * k, "int8": n * k + 4 * n, "int8bf": n * k + 2 * n,
+           "int8dyn": n * k + 4 * n,
            "int4": n * k // 2 + 4 * n * (k // INT4_GROUP)}
     return int(per[path])
 
@@ -206,6 +239,7 @@ class _Weights:
         self.bias = None if module.bias is None else module.bias.detach().float()
         self.fp32: Any = w.float().contiguous() if paths & {"linear", "transposed"} else None
         self.bf16: Any = w.to(torch.bfloat16).contiguous() if "bf16" in paths else None
+        self.fp16: Any = w.to(torch.float16).contiguous() if "fp16" in paths else None
         self.bf16p: Any = _prepack_bf16(w) if "bf16p" in paths else None
         # the bf16 weight as a parameter, for a compiled CPU step (install's template)
         self.bf16c: Any = None
@@ -381,6 +415,15 @@ def _path_fn(path: str, native: bool = False) -> Callable[[_Weights, Any], Any]:
             return out(w, F.linear(x.to(torch.bfloat16), w.bf16c))
         return out(w, op(x.to(torch.bfloat16), w.bf16p))
 
+    def fp16(w: _Weights, x: Any) -> Any:
+        if torch.compiler.is_compiling():
+            y = fp16_linear(x.float(), w.fp16)
+        elif x.shape[0] == 1 and float(x.abs().amax()) < FP16_MAX:
+            y = F.linear(x.to(torch.float16), w.fp16).float()  # torch's fp16 GEMV
+        else:  # 2+ rows (torch's fp16 GEMM is scalar code here), or activations beyond
+            y = F.linear(x.float(), w.fp16.float())  # fp16's range: an fp32 product
+        return y if w.bias is None else y + w.bias
+
     def int8(w: _Weights, x: Any) -> Any:
         y = torch.ops.aten._weight_int8pack_mm(x.float(), w.q, w.scales)
         return y if w.bias is None else y + w.bias
@@ -404,9 +447,40 @@ def _path_fn(path: str, native: bool = False) -> Callable[[_Weights, Any], Any]:
         return w.qdyn(x.float())
 
     paths = {"linear": linear, "transposed": transposed, "bf16": bf16, "bf16p": bf16p,
-             "int8": int8,
+             "fp16": fp16, "int8": int8,
              "int8bf": int8bf, "int4": int4, "int8dyn": int8dyn}
     return paths[path]
+
+
+def fp16_linear(x: Any, w: Any) -> Any:
+    """``x @ w.T`` for fp32 ``x`` (rows, K) and fp16 ``w`` (N, K), written as a product
+    and a sum over K so that a compiled graph reads each fp16 weight once, upcasts it in
+    registers and sums in fp32 (no fp32 copy of ``w``, no rounding of ``x``)."""
+    return (w[:, None, :].float() * x[None, :, :]).sum(-1).t()
+
+
+def _time_compiled(weights: Sequence[_Weights], fn: Callable[[_Weights, Any], Any],
+                   rows: Sequence[int], shapes: Sequence[int], repeat: int) -> dict[int, float]:
+    """rows -> milliseconds for one pass through ``weights`` as one compiled graph (what a
+    compiled decode step runs), best of ``repeat``; one graph for every row count."""
+    import torch
+
+    def run(a: Any, b: dict[int, Any]) -> list[Any]:
+        return [fn(w, b[n]) for w, n in zip(weights, shapes, strict=True)]
+
+    graph = torch.compile(run, dynamic=True)
+    out: dict[int, float] = {}
+    with torch.no_grad():
+        for r in rows:
+            xs = {n: torch.randn(r, n) for n in set(shapes)}
+            graph(None, xs)  # compiles (once for 1 row, once for more), warms up
+            best = float("inf")
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                graph(None, xs)
+                best = min(best, time.perf_counter() - t0)
+            out[r] = 1000 * best
+    return out
 
 
 def linears(model: Any) -> list[Any]:
@@ -456,14 +530,19 @@ def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "c
     if device != "cpu":  # GPU: plain F.linear in the precision (int8 kernels are CPU-only)
         candidates = ("linear",) if dtype in ("fp32", "auto") else ("bf16",)
     prefill_only: tuple[str, ...] = ()
+    compiled_only: tuple[str, ...] = ()
     if force:
         candidates = (force,)
     elif device == "cpu":
         if not bf16p_available():
             candidates = tuple(p for p in candidates if p != "bf16p")
+            if template and dtype == "auto" and all(
+                    float(m.weight.detach().abs().amax()) < FP16_MAX for m in mods):
+                compiled_only = COMPILED_ONLY
         prefill_only = tuple(p for p in _PREFILL_ONLY.get(dtype, ()) if p not in candidates)
-    weights = [_Weights(m, {*candidates, *prefill_only}) for m in mods]
-    wbytes = {p: sum(_path_bytes(p, m) for m in mods) for p in (*candidates, *prefill_only)}
+    every_path = (*candidates, *compiled_only, *prefill_only)
+    weights = [_Weights(m, set(every_path)) for m in mods]
+    wbytes = {p: sum(_path_bytes(p, m) for m in mods) for p in every_path}
     shapes = [int(m.in_features) for m in mods]
     # Time a prefix of the layers holding >= TIMED_BYTES of fp32 weights: still far
     # beyond the caches (so weights stream from memory as in a real step), a fraction of
@@ -486,8 +565,13 @@ def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "c
         for path in prefill_only:
             table.ms[path] = {PREFILL_ROWS: _time_path(timed_w, _path_fn(path), PREFILL_ROWS,
                                                        timed_shapes, repeat)}
-        for r in rows_range:
-            table.chosen[r] = min(candidates, key=lambda p: table.ms[p][r])
+        decode_rows = [r for r in rows_range if r != PREFILL_ROWS]
+        for path in compiled_only:  # 1 row only (see COMPILED_ONLY)
+            table.ms[path] = _time_compiled(timed_w, _path_fn(path), [1], timed_shapes,
+                                            repeat + 2)
+        for r in decode_rows:
+            table.chosen[r] = min((*candidates, *compiled_only) if r == 1 else candidates,
+                                  key=lambda p: table.ms[p][r])
         table.chosen[PREFILL_ROWS] = min((*candidates, *prefill_only),
                                          key=lambda p: table.ms[p][PREFILL_ROWS])
         multi = [r for r in rows_range if 2 <= r <= max_rows]
@@ -508,6 +592,8 @@ def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "c
             w.fp32 = None
         if "bf16" not in used:
             w.bf16 = None
+        if "fp16" not in used:
+            w.fp16 = None
         if "bf16p" not in used:
             w.bf16p = None
         if not used & {"int8", "int8bf"}:

@@ -176,14 +176,17 @@ async def test_realtime_bench_reports_what_each_listener_heard(tiny_checkpoint: 
 
 def test_bench_settings_name_dtype_compile_and_kv_precision():
     """``--dtypes`` entries of `bench realtime` and `bench kernels`: DTYPE, +compile and
-    +kvKV in any order after it; anything else is refused with the entry named."""
+    +kvKV and +kernels=K in any order after it; anything else is refused with the entry
+    named."""
     from rtts.bench.realtime import setting
 
     assert setting("auto") == {"dtype": "auto", "compile": False}
     assert setting("int4+compile") == {"dtype": "int4", "compile": True}
     assert setting("int4+kvbf16+compile") == {"dtype": "int4", "compile": True,
                                               "kv_dtype": "bf16"}
-    for bad in ("int4+kvfp16", "int4+fast"):
+    assert setting("auto+compile+kernels=fp16") == {"dtype": "auto", "compile": True,
+                                                    "kernels": "fp16"}
+    for bad in ("int4+kvfp16", "int4+fast", "auto+kernels=fp8"):
         with pytest.raises(ValueError, match="--dtypes"):
             setting(bad)
 

@@ -541,8 +541,8 @@ async def bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
     for dtype in args.dtypes.split(","):
         engine = ChatTTSEngine(EngineConfig(source="custom", model_dir=args.model_dir,
                                             device=args.device, threads=args.threads,
-                                            batch_rows=max(rows_list), kernels=args.kernels,
-                                            **setting(dtype)))
+                                            batch_rows=max(rows_list),
+                                            **{"kernels": args.kernels, **setting(dtype)}))
         engine.load()
         if engine.config.compile:  # its step as served: compiled before it is timed
             engine.warmup()
@@ -940,7 +940,8 @@ def add_parser(sub: Any) -> None:
     kn.add_argument("--model-dir", type=Path, required=True)
     kn.add_argument("--dtypes", default="fp32,auto,bf16,int8,int4",
                     help="the first is the reference the others are compared with; each "
-                    "optionally with +compile and +kvKV, as bench realtime --dtypes")
+                    "optionally with +compile, +kvKV and +kernels=K, as bench realtime "
+                    "--dtypes")
     kn.add_argument("--rows", default="1,4", help="batch sizes to time")
     kn.add_argument("--steps", type=int, default=24, help="decode steps timed per batch size")
     kn.add_argument("--tokens", type=int, default=128, help="decode length for accuracy")

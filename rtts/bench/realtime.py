@@ -55,7 +55,7 @@ from typing import Any
 
 from websockets.asyncio.client import connect
 
-from rtts.engines.kernels import KV_CHOICES
+from rtts.engines.kernels import KERNEL_CHOICES, KV_CHOICES
 
 __all__ = ["PlayerResult", "add_parser", "bench_realtime", "play", "run", "setting"]
 
@@ -88,8 +88,9 @@ class PlayerResult:
 
 
 def setting(name: str) -> dict[str, Any]:
-    """EngineConfig fields of a ``--dtypes`` entry: ``DTYPE[+compile][+kvKV]``
-    (``int4+compile+kvbf16``: ``--dtype int4 --compile --kv-dtype bf16``)."""
+    """EngineConfig fields of a ``--dtypes`` entry: ``DTYPE[+compile][+kvKV][+kernels=K]``
+    (``int4+compile+kvbf16``: ``--dtype int4 --compile --kv-dtype bf16``;
+    ``auto+kernels=fp16``: ``--dtype auto --kernels fp16``)."""
     dtype, *extra = name.split("+")
     out: dict[str, Any] = {"dtype": dtype, "compile": False}
     for part in extra:
@@ -97,9 +98,12 @@ def setting(name: str) -> dict[str, Any]:
             out["compile"] = True
         elif part.startswith("kv") and part[2:] in KV_CHOICES:
             out["kv_dtype"] = part[2:]
+        elif part.startswith("kernels=") and part[8:] in KERNEL_CHOICES:
+            out["kernels"] = part[8:]
         else:
-            raise ValueError(f"--dtypes {name!r}: +{part} is neither +compile nor "
-                             f"+kv{{{','.join(KV_CHOICES)}}}")
+            raise ValueError(f"--dtypes {name!r}: +{part} is neither +compile, "
+                             f"+kv{{{','.join(KV_CHOICES)}}} nor "
+                             f"+kernels={{{','.join(KERNEL_CHOICES)}}}")
     return out
 
 
@@ -262,13 +266,16 @@ def step_report(engine: Any, rows: Sequence[int], steps: int, bandwidth_mb: int
     bandwidth = read_bandwidth(bandwidth_mb, device=engine.device)
     out: dict[str, Any] = {"kernels": table.as_dict() if table else None, "rows": {},
                            "read_bandwidth_gb_s": bandwidth / 1e9}
-    # a compiled step whose linears are inductor's (kernels.TEMPLATE_OPTIONS): an eager
-    # pass of the linears times other kernels, so the share is not known (None)
-    # (table.template is set only for a compiled step)
-    template = bool(table is not None and table.template)
+    # a compiled step whose linears are inductor's (kernels.TEMPLATE_OPTIONS, or the
+    # generated dot products of ``fp16``): an eager pass of the linears times other
+    # kernels, so the share is not known (None) (table.template is set, and fp16 chosen,
+    # only for a compiled step)
+    def inside(r: int) -> bool:
+        return table is not None and (table.template or table.chosen.get(r) == "fp16")
+
     for r in rows:
         step = _step_ms(engine, r, steps)
-        lin = None if template else linear_pass_ms(engine, r)
+        lin = None if inside(r) else linear_pass_ms(engine, r)
         out["rows"][r] = {"step_ms": step, "linear_ms": lin,
                           "outside_linear_share": None if lin is None else
                           max(0.0, 1 - lin / step)}
@@ -479,7 +486,8 @@ def add_parser(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", default="1,2,4", help="stream counts (comma-separated)")
     p.add_argument("--dtypes", default="fp32", help="rtts settings: --dtype values, each "
                    "optionally with +compile (int4+compile: --dtype int4 --compile) and "
-                   "+kvKV (int4+compile+kvbf16: also --kv-dtype bf16)")
+                   "+kvKV (int4+compile+kvbf16: also --kv-dtype bf16) and +kernels=K "
+                   "(auto+kernels=fp16: also --kernels fp16)")
     p.add_argument("--tokens", type=int, default=120, help="GPT steps per segment")
     p.add_argument("--tokens-per-char", type=float, default=0.0,
                    help="instead of --tokens: each segment ceil(this x its characters) "

@@ -94,8 +94,9 @@ _PREFILL_ONLY = {"int4": ("int8dyn",)}
 # compiled. Measured on a 2-core AMD EPYC with AVX2 only (Zen 3; ``lscpu`` family 25
 # model 1), the GPT's 80 linears at 1 row, ms, best of 8: this 17.9, inductor's GEMM
 # template over fp32 31-36, torch's bf16 GEMV (``bf16``) 29-38, MKL fp32 (``linear``) 87.
-# Offered at 1 row only: a dot product per output reads the weights once per row, so at
-# 2+ rows it lost to the others inside the real step (a forced 4-row step took 337 ms).
+# Offered at 1 row only: forced at every row count, the compiled 2-row step took 22-31 ms
+# (MKL fp32: 53-66), but 3 and 4 rows took 1.1-1.3 s: there inductor stored the product
+# of the widened weights and the rows as a buffer and summed it afterwards.
 COMPILED_ONLY = ("fp16",)
 FP16_MAX = 6.0e4  # weights beyond fp16's range (65504) keep fp16 out of the candidates
 # Inductor's config for a compiled step whose 1-row linears are ``fp16``: realize every

@@ -65,8 +65,10 @@ CACHED = "pcm16-24k"  # this context may store in the phrase cache; the rerun re
 # two words of the 46). Measured over four runs: 0.00 on every wideband path.
 MARGIN = 0.05
 # The 8 kHz telephone band alone costs pocketsphinx's wideband model 0.09-0.22 on piper's
-# own audio (it varies with piper's noise); mu-law through rtts measured 0.02-0.04.
-NARROWBAND = {"mulaw-8k": 0.25}
+# own audio (it varies with piper's noise); mu-law through rtts measured 0.02-0.04. The two
+# add up to 0.26, which a CI run saw (12 of 46 words, 2026-12-07): bound 0.30 (a broken
+# mu-law path measures far beyond it).
+NARROWBAND = {"mulaw-8k": 0.30}
 # Audio duration through rtts / piper direct: measured 1.002-1.006, MP3 1.03 (each
 # segment's MP3 stream carries the encoder's delay and padding, ~56 ms).
 DURATION = (0.97, 1.06)

@@ -38,6 +38,7 @@ from rtts.config import EngineConfig, ServerConfig
 from rtts.core.cache import CacheConfig
 from rtts.core.governor import GovernorConfig
 from rtts.core.scheduler import SchedulerConfig
+from rtts.engines.kernels import KERNEL_CHOICES
 from rtts.errors import RttsError
 from rtts.jobs.model import JobsConfig, default_jobs_dir
 
@@ -113,8 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default=EngineConfig.kv_dtype,
                    help="ChatTTS GPT keys/values (auto: timed at load)")
     s.add_argument("--kernels", default=EngineConfig.kernels,
-                   choices=["auto", "linear", "transposed", "bf16", "bf16p", "fp16", "int8",
-                            "int8bf", "int4", "int8dyn"],
+                   choices=KERNEL_CHOICES,
                    help="GPT linear kernel (auto: the fastest measured per batch size)")
     s.add_argument("--stream-tokens", type=int, default=EngineConfig.stream_tokens,
                    help="GPT steps between partial decodes (first audio after this many)")

@@ -89,7 +89,7 @@ _CANDIDATES = {"auto": ("linear", "transposed", "bf16", "bf16p"),
 _PREFILL_ONLY = {"int4": ("int8dyn",)}
 # ``fp16``: fp16 weights whose compiled form (gpt_loop.CompiledDecode) is a dot product
 # that inductor fuses with the upcast, in fp32 (:func:`fp16_linear`): half fp32's bytes,
-# ten mantissa bits to bf16's seven. Offered to ``auto``'s decode rows only for a
+# ten mantissa bits to bf16's seven. Offered to ``auto``'s 1-row decode step only, for a
 # compiled CPU step where oneDNN has no bf16 kernels (install's ``template``), and timed
 # compiled. Measured on a 2-core AMD EPYC with AVX2 only (Zen 3; ``lscpu`` family 25
 # model 1), the GPT's 80 linears at 1 row, ms, best of 8: this 17.9, inductor's GEMM
@@ -466,19 +466,19 @@ def _time_compiled(weights: Sequence[_Weights], fn: Callable[[_Weights, Any], An
     compiled decode step runs), best of ``repeat``; one graph for every row count."""
     import torch
 
-    def run(a: Any, b: dict[int, Any]) -> list[Any]:
-        return [fn(w, b[n]) for w, n in zip(weights, shapes, strict=True)]
+    def run(xs: dict[int, Any]) -> list[Any]:
+        return [fn(w, xs[n]) for w, n in zip(weights, shapes, strict=True)]
 
     graph = torch.compile(run, dynamic=True)
     out: dict[int, float] = {}
     with torch.no_grad():
         for r in rows:
             xs = {n: torch.randn(r, n) for n in set(shapes)}
-            graph(None, xs)  # compiles (once for 1 row, once for more), warms up
+            graph(xs)  # compiles (once for 1 row, once for more), warms up
             best = float("inf")
             for _ in range(repeat):
                 t0 = time.perf_counter()
-                graph(None, xs)
+                graph(xs)
                 best = min(best, time.perf_counter() - t0)
             out[r] = 1000 * best
     return out

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rtts.engines import kernels  # noqa: E402
+from rtts.engines import fp16mm, kernels  # noqa: E402
 
 
 def _model(seed: int = 0):
@@ -21,6 +21,8 @@ def test_selection_measures_every_candidate_and_records_the_fastest(dtype):
     table = kernels.install(model, dtype, max_rows=4, repeat=1)
     candidates = tuple(p for p in kernels._CANDIDATES[dtype]
                        if p != "bf16p" or kernels.bf16p_available())
+    if dtype == "auto" and not kernels.bf16p_available() and fp16mm.available():
+        candidates += ("fp16",)  # the fp16 kernel, where oneDNN has no bf16
     prefill_only = tuple(p for p in kernels._PREFILL_ONLY.get(dtype, ()) if p not in candidates)
     assert set(table.ms) == {*candidates, *prefill_only}
     assert all(set(table.ms[p]) == {kernels.PREFILL_ROWS} for p in prefill_only)
@@ -458,10 +460,11 @@ def test_int8dyn_registry_lets_the_packed_weights_go_with_their_model():
 
 
 def test_fp16_weights_compute_in_fp32_eager_and_compiled():
-    """``fp16``: fp16 weights, fp32 sums. Compiled, the linear is a product and a sum
-    that inductor fuses with the upcast (``kernels.fp16_linear``); eager, torch's fp16
-    GEMV at 1 row, else (2+ rows, activations beyond fp16's range) an fp32 product. All
-    three compute what the fp32 layers do, to fp16's rounding of the weights."""
+    """``fp16``: fp16 weights, fp32 sums. Compiled at 1 row, the linear is a product and
+    a sum that inductor fuses with the upcast (``kernels.fp16_linear``); compiled at 2+
+    rows and eager, rtts's kernel (``fp16mm``, ``rtts::fp16_linear`` in the graph); without
+    the kernel, eager is torch's fp16 GEMV at 1 row, else an fp32 product. All compute
+    what the fp32 layers do, to fp16's rounding of the weights, at any activation size."""
     model, ref = _model(), _model()
     table = kernels.install(model, "auto", max_rows=2, force="fp16")
     assert set(table.chosen.values()) == {"fp16"}
@@ -469,36 +472,70 @@ def test_fp16_weights_compute_in_fp32_eager_and_compiled():
     assert w.fp16.dtype == torch.float16 and w.fp32 is None and w.bf16 is None
     assert table.bytes["fp16"] == 2 * (256 * 512 + 512 * 256)
     compiled = torch.compile(model, dynamic=True)
+    plain = _model()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fp16mm, "available", lambda: False)  # torch's own forms
+        kernels.install(plain, "auto", max_rows=2, force="fp16")
     with torch.no_grad():
-        for rows, scale in ((1, 1.0), (2, 1.0), (3, 1.0), (1, 1e5)):
+        for rows, scale in ((1, 1.0), (2, 1.0), (3, 1.0), (1, 1e5), (5, 1e5)):
             x = torch.randn(rows, 256) * scale
             want = ref(x)
-            for got in (model(x), compiled(x)):
+            for got in (model(x), compiled(x), plain(x)):
                 assert got.dtype == torch.float32 and torch.isfinite(got).all()
                 cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
                 assert cos > 0.99999, (rows, scale, float(cos))
                 assert torch.allclose(got, want, rtol=1e-2, atol=1e-3 * scale)
 
 
-def test_fp16_is_a_compiled_candidate_of_auto_only_where_onednn_has_no_bf16(monkeypatch):
-    """``auto`` with a compiled CPU step (``template``) on a CPU without oneDNN bf16 also
-    times ``fp16``, compiled as the step runs it, for the 1-row decode step only; not
-    without a compiled step, not for the other dtypes, not where a weight is beyond
-    fp16's range. Where 1 row chose it, the compiled step gets ``FP16_OPTIONS``."""
+def test_fp16_kernel_matches_fp32_at_any_row_count_and_length():
+    """``fp16mm.mm``: fp32 rows times fp16 weights, summed in fp32, at the row counts of
+    its blocks of four and past them, with K not a multiple of its vector width (the
+    scalar tail); bad inputs are refused with a clear error."""
+    torch.manual_seed(0)
+    for rows, n, k in ((1, 64, 768), (2, 3, 40), (4, 17, 33), (5, 96, 3072), (9, 8, 7)):
+        x = torch.randn(rows, k)
+        w = torch.randn(n, k).half()
+        got = fp16mm.mm(x, w)
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        assert torch.allclose(got, x.double().mm(w.double().t()).float(), rtol=1e-4,
+                              atol=1e-4 * k ** 0.5), (rows, n, k)
+    assert torch.equal(fp16mm.mm(x[:, ::1].t().contiguous().t(), w), fp16mm.mm(x, w))
+    for bad in ((x.double(), w), (x, w.float()), (x[:, :3], w), (x[0], w)):
+        with pytest.raises(ValueError, match="fp16mm.mm needs"):
+            fp16mm.mm(*bad)
+
+
+def test_fp16_is_a_candidate_of_auto_only_where_onednn_has_no_bf16(monkeypatch):
+    """``auto`` on a CPU without oneDNN bf16 also times ``fp16``: with a compiled CPU step
+    (``template``) compiled as the step runs it, at 1 row, and at 2+ where rtts's kernel
+    builds (``fp16mm``); eager, as a plain candidate where the kernel builds. Never for
+    prefill, the other dtypes, or where a weight is beyond fp16's range. Where a decode
+    row count chose it, the compiled step gets ``FP16_OPTIONS``."""
     monkeypatch.setattr(kernels, "bf16p_available", lambda: False)
+    assert fp16mm.available()  # (CI has a C++ compiler: inductor needs one)
+    table = kernels.install(_model(), "auto", max_rows=3, repeat=1, template=True,
+                            uniform=True)
+    assert set(table.ms["fp16"]) == {1, 2, 3}
+    assert table.chosen[kernels.PREFILL_ROWS] != "fp16"
+    assert table.chosen[2] == table.chosen[3]  # one path for 2+ rows (uniform)
+    eager = kernels.install(_model(), "auto", max_rows=2, repeat=1)
+    assert set(eager.ms["fp16"]) == {1, 2, kernels.PREFILL_ROWS}
+    for t in (eager, table):
+        assert t.ms[t.chosen[1]][1] == min(m[1] for m in t.ms.values() if 1 in m)
+    assert eager.ms[eager.chosen[2]][2] == min(m[2] for m in eager.ms.values())
+    monkeypatch.setattr(fp16mm, "available", lambda: False)  # no compiler here
     table = kernels.install(_model(), "auto", max_rows=2, repeat=1, template=True)
     assert set(table.ms["fp16"]) == {1}
     assert "fp16" not in (table.chosen[2], table.chosen[kernels.PREFILL_ROWS])
-    for rows in (1, 2):
-        assert table.ms[table.chosen[rows]][rows] == min(m[rows] for m in table.ms.values()
-                                                         if rows in m)
+    assert "fp16" not in kernels.install(_model(), "auto", max_rows=2, repeat=1).ms
     table.chosen[1] = "fp16"
     assert kernels.compile_options(table) == kernels.FP16_OPTIONS
     table.chosen[1] = table.chosen[2]
     assert kernels.compile_options(table) is None and kernels.compile_options(None) is None
     table.template = True
     assert kernels.compile_options(table) == kernels.TEMPLATE_OPTIONS
-    assert "fp16" not in kernels.install(_model(), "auto", max_rows=2, repeat=1).ms
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "bf16p_available", lambda: False)
     assert "fp16" not in kernels.install(_model(), "fp32", max_rows=2, repeat=1,
                                          template=True).ms
     big = _model()

@@ -34,6 +34,9 @@ Paths:
                 (fbgemm's dynamic quantized linear, ``torch.ao``): the fastest on AVX2
                 CPUs, where torch's int8pack kernel is slow; its activation scale is
                 shared by the rows of one call, so batch neighbours nudge each other
+``fp16``        fp16 weights, fp32 activations and sums: inductor's generated dot product
+                in a compiled 1-row step, rtts's own kernel (:mod:`rtts.engines.fp16mm`)
+                elsewhere; ``auto`` offers it where oneDNN has no bf16 (``COMPILED_ONLY``)
 
 ``int4``'s prefill is also offered ``int8dyn`` (``_PREFILL_ONLY``).
 
@@ -58,6 +61,8 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from rtts.engines import fp16mm
 
 __all__ = ["DTYPES", "FP16_OPTIONS", "KERNEL_CHOICES", "KV_CHOICES", "TEMPLATE_OPTIONS",
            "KernelTable", "compile_options",
@@ -87,16 +92,18 @@ _CANDIDATES = {"auto": ("linear", "transposed", "bf16", "bf16p"),
 # activations and cannot fuse with its neighbours) the 4-row step measured 21-27 ms at 78
 # columns against int4's 18.0-18.1, and 27-31 against 23-24 at 338 columns.
 _PREFILL_ONLY = {"int4": ("int8dyn",)}
-# ``fp16``: fp16 weights whose compiled form (gpt_loop.CompiledDecode) is a dot product
-# that inductor fuses with the upcast, in fp32 (:func:`fp16_linear`): half fp32's bytes,
-# ten mantissa bits to bf16's seven. Offered to ``auto``'s 1-row decode step only, for a
-# compiled CPU step where oneDNN has no bf16 kernels (install's ``template``), and timed
-# compiled. Measured on a 2-core AMD EPYC with AVX2 only (Zen 3; ``lscpu`` family 25
-# model 1), the GPT's 80 linears at 1 row, ms, best of 8: this 17.9, inductor's GEMM
-# template over fp32 31-36, torch's bf16 GEMV (``bf16``) 29-38, MKL fp32 (``linear``) 87.
-# Offered at 1 row only: forced at every row count, the compiled 2-row step took 22-31 ms
-# (MKL fp32: 53-66), but 3 and 4 rows took 1.1-1.3 s: there inductor stored the product
-# of the widened weights and the rows as a buffer and summed it afterwards.
+# ``fp16``: fp16 weights, fp32 sums: half fp32's bytes, ten mantissa bits to bf16's
+# seven. At 1 row in a compiled step (gpt_loop.CompiledDecode) the linear is a dot product
+# that inductor generates and fuses with the upcast (:func:`fp16_linear`); at 2+ rows, and
+# eager, it is rtts's own kernel (:mod:`rtts.engines.fp16mm`, ``rtts::fp16_linear`` in a
+# compiled graph) where that builds. Offered to ``auto`` where oneDNN has no bf16 kernels:
+# for a compiled CPU step (install's ``template``) timed compiled, at 1 row, and at 2+
+# where the kernel builds; eager, as a plain candidate where the kernel builds. Measured
+# on a 2-core AMD EPYC with AVX2 only (Zen 3; ``lscpu`` family 25 model 1), the GPT's 80
+# linears at 1 row, ms, best of 8: generated 17.9, inductor's GEMM template over fp32
+# 31-36, torch's bf16 GEMV (``bf16``) 29-38, MKL fp32 (``linear``) 87. Inductor's own
+# product at 2+ rows inside the step is not used: there it stored the product of the
+# widened weights and the rows as a buffer and summed it afterwards (3-4 rows: 1.1-1.3 s).
 COMPILED_ONLY = ("fp16",)
 FP16_MAX = 6.0e4  # weights beyond fp16's range (65504) keep fp16 out of the candidates
 # Inductor's config for a compiled step whose 1-row linears are ``fp16``: realize every
@@ -321,7 +328,9 @@ def _library() -> Any:
       graph calls this one instead, and fuses the conversions around it;
     - ``rtts::int8dyn_linear(x, index, n)``: the ``index``-th fbgemm dynamic int8 linear
       (``n`` outputs, :data:`_INT8DYN`), whose packed weights are a TorchScript object a
-      compiled step cannot trace: one node instead of a graph break at every layer."""
+      compiled step cannot trace: one node instead of a graph break at every layer;
+    - ``rtts::fp16_linear(x, w)`` (:func:`fp16mm.mm`): the ``fp16`` path's multi-row
+      kernel, for a compiled step's 2+ rows (see :data:`COMPILED_ONLY`)."""
     import torch
 
     def bf16p_fake(x: Any, w: Any) -> Any:
@@ -337,7 +346,8 @@ def _library() -> Any:
     for schema, impl, fake in (
             ("bf16p_linear(Tensor x, Tensor w) -> Tensor", _bf16p_mm, bf16p_fake),
             ("int8dyn_linear(Tensor x, int index, int n) -> Tensor", _int8dyn_mm,
-             int8dyn_fake)):
+             int8dyn_fake),
+            ("fp16_linear(Tensor x, Tensor w) -> Tensor", fp16mm.mm, bf16p_fake)):
         name = schema.split("(", 1)[0]
         lib.define(schema)
         lib.impl(name, impl, "CompositeExplicitAutograd")
@@ -416,9 +426,17 @@ def _path_fn(path: str, native: bool = False) -> Callable[[_Weights, Any], Any]:
             return out(w, F.linear(x.to(torch.bfloat16), w.bf16c))
         return out(w, op(x.to(torch.bfloat16), w.bf16p))
 
+    mm: Any = None
+    if path == "fp16" and fp16mm.available():
+        _library()
+        mm = torch.ops.rtts.fp16_linear.default
+
     def fp16(w: _Weights, x: Any) -> Any:
-        if torch.compiler.is_compiling():
-            y = fp16_linear(x.float(), w.fp16)
+        if torch.compiler.is_compiling():  # 1 row: a generated dot product; 2+: the kernel
+            y = (fp16_linear(x.float(), w.fp16) if x.shape[0] == 1 or mm is None
+                 else mm(x.float(), w.fp16))
+        elif mm is not None:
+            y = fp16mm.mm(x.float(), w.fp16)
         elif x.shape[0] == 1 and float(x.abs().amax()) < FP16_MAX:
             y = F.linear(x.to(torch.float16), w.fp16).float()  # torch's fp16 GEMV
         else:  # 2+ rows (torch's fp16 GEMM is scalar code here), or activations beyond
@@ -537,9 +555,12 @@ def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "c
     elif device == "cpu":
         if not bf16p_available():
             candidates = tuple(p for p in candidates if p != "bf16p")
-            if template and dtype == "auto" and all(
+            if dtype == "auto" and all(
                     float(m.weight.detach().abs().amax()) < FP16_MAX for m in mods):
-                compiled_only = COMPILED_ONLY
+                if template:  # timed compiled, as the step runs it
+                    compiled_only = COMPILED_ONLY
+                elif fp16mm.available():  # eager: the kernel at every decode row count
+                    candidates = (*candidates, "fp16")
         prefill_only = tuple(p for p in _PREFILL_ONLY.get(dtype, ()) if p not in candidates)
     every_path = (*candidates, *compiled_only, *prefill_only)
     weights = [_Weights(m, set(every_path)) for m in mods]
@@ -567,24 +588,31 @@ def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "c
             table.ms[path] = {PREFILL_ROWS: _time_path(timed_w, _path_fn(path), PREFILL_ROWS,
                                                        timed_shapes, repeat)}
         decode_rows = [r for r in rows_range if r != PREFILL_ROWS]
-        for path in compiled_only:  # 1 row only (see COMPILED_ONLY)
-            table.ms[path] = _time_compiled(timed_w, _path_fn(path), [1], timed_shapes,
-                                            repeat + 2)
+        multi = [r for r in rows_range if 2 <= r <= max_rows]
+        for path in compiled_only:  # 2+ rows only with the kernel (see COMPILED_ONLY)
+            timed_rows = [1, *multi] if fp16mm.available() else [1]
+            table.ms[path] = _time_compiled(timed_w, _path_fn(path), timed_rows,
+                                            timed_shapes, repeat + 2)
+
+        def pool(rows: Sequence[int]) -> tuple[str, ...]:
+            return (*candidates,
+                    *(p for p in compiled_only if all(r in table.ms[p] for r in rows)))
+
         for r in decode_rows:
-            table.chosen[r] = min((*candidates, *compiled_only) if r == 1 else candidates,
-                                  key=lambda p: table.ms[p][r])
+            table.chosen[r] = min(pool([r]), key=lambda p: table.ms[p][r])
         table.chosen[PREFILL_ROWS] = min((*candidates, *prefill_only),
                                          key=lambda p: table.ms[p][PREFILL_ROWS])
-        multi = [r for r in rows_range if 2 <= r <= max_rows]
         if uniform and multi:
             # the least worst slowdown against each count's fastest path: a sum let bf16p
             # (fastest at 5-8 rows by 1.3x) win over int4 (fastest at 2-4 by up to 2.3x),
             # and a compiled int4 step at 4 rows took 26.8 ms instead of 18.2
+            paths = pool(multi)
+
             def regret(p: str) -> float:
-                return max(table.ms[p][r] / min(table.ms[q][r] for q in candidates)
+                return max(table.ms[p][r] / min(table.ms[q][r] for q in paths)
                            for r in multi)
 
-            best = min(candidates, key=regret)
+            best = min(paths, key=regret)
             table.chosen.update({r: best for r in multi})
     # Keep only the weight forms a chosen path uses.
     used = set(table.chosen.values())

@@ -208,11 +208,19 @@ def test_step_report_leaves_the_linear_share_empty_where_inductor_holds_the_line
     for template, share in ((True, None), (False, 0.6)):
         table = KernelTable("auto", {1: "bf16p", 2: "bf16p"}, bytes={"bf16p": 5_000_000},
                             template=template)
-        rep = realtime.step_report(SimpleNamespace(kernel_table=table, device="cpu"), [1, 2],
-                                   steps=4, bandwidth_mb=1)
+        rep = realtime.step_report(SimpleNamespace(kernel_table=table, device="cpu",
+                                                   compiled=object() if template else None),
+                                   [1, 2], steps=4, bandwidth_mb=1)
         assert [r["step_ms"] for r in rep["rows"].values()] == [10.0, 20.0]
         assert rep["rows"][1]["outside_linear_share"] == (
             None if share is None else pytest.approx(share))
         assert (rep["rows"][2]["linear_ms"] is None) == template
         assert rep["read_limit_ms"] == pytest.approx(5.0)
         assert rep["step1_over_limit"] == pytest.approx(2.0)
+    # fp16: a compiled 1-row step's linears are generated inside its graph; its 2+ rows,
+    # and an eager step, run rtts's own kernel, which an eager pass times
+    table = KernelTable("auto", {1: "fp16", 2: "fp16"}, bytes={"fp16": 5_000_000})
+    for compiled, unknown in ((object(), [1]), (None, [])):
+        engine = SimpleNamespace(kernel_table=table, device="cpu", compiled=compiled)
+        rep = realtime.step_report(engine, [1, 2], steps=4, bandwidth_mb=1)
+        assert [r for r in (1, 2) if rep["rows"][r]["linear_ms"] is None] == unknown

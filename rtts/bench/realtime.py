@@ -267,11 +267,14 @@ def step_report(engine: Any, rows: Sequence[int], steps: int, bandwidth_mb: int
     out: dict[str, Any] = {"kernels": table.as_dict() if table else None, "rows": {},
                            "read_bandwidth_gb_s": bandwidth / 1e9}
     # a compiled step whose linears are inductor's (kernels.TEMPLATE_OPTIONS, or the
-    # generated dot products of ``fp16``): an eager pass of the linears times other
-    # kernels, so the share is not known (None) (table.template is set, and fp16 chosen,
-    # only for a compiled step)
+    # generated dot products of ``fp16`` at 1 row): an eager pass of the linears times
+    # other kernels, so the share is not known (None) (table.template is set only for a
+    # compiled step; fp16 at 2+ rows, and eager, is rtts's kernel either way)
+    compiled = engine.compiled is not None
+
     def inside(r: int) -> bool:
-        return table is not None and (table.template or table.chosen.get(r) == "fp16")
+        return table is not None and (table.template or (
+            compiled and r == 1 and table.chosen.get(r) == "fp16"))
 
     for r in rows:
         step = _step_ms(engine, r, steps)

@@ -333,7 +333,7 @@ def _library() -> Any:
       kernel, for a compiled step's 2+ rows (see :data:`COMPILED_ONLY`)."""
     import torch
 
-    def bf16p_fake(x: Any, w: Any) -> Any:
+    def linear_fake(x: Any, w: Any) -> Any:  # (rows, out features) in x's dtype
         return x.new_empty((x.shape[0], w.shape[0]))
 
     def int8dyn_fake(x: Any, index: int, n: int) -> Any:
@@ -344,10 +344,10 @@ def _library() -> Any:
     library: Any = torch.library  # (untyped)
     lib = library.Library("rtts", "DEF")
     for schema, impl, fake in (
-            ("bf16p_linear(Tensor x, Tensor w) -> Tensor", _bf16p_mm, bf16p_fake),
+            ("bf16p_linear(Tensor x, Tensor w) -> Tensor", _bf16p_mm, linear_fake),
             ("int8dyn_linear(Tensor x, int index, int n) -> Tensor", _int8dyn_mm,
              int8dyn_fake),
-            ("fp16_linear(Tensor x, Tensor w) -> Tensor", fp16mm.mm, bf16p_fake)):
+            ("fp16_linear(Tensor x, Tensor w) -> Tensor", fp16mm.mm, linear_fake)):
         name = schema.split("(", 1)[0]
         lib.define(schema)
         lib.impl(name, impl, "CompositeExplicitAutograd")

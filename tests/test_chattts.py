@@ -618,6 +618,7 @@ async def test_numbers_reach_the_gpt_spoken_and_offsets_index_the_input(tiny_che
     assert "".join(e["text"] for e in started).replace(" ", "") == written.replace(" ", "")
 
 
+@pytest.mark.long
 def test_compiled_decode_step_matches_eager_and_never_recompiles_while_serving(
         tiny_checkpoint: Path) -> None:
     """--compile: the decode step's layer loop through torch.compile (gpt_loop.CompiledDecode)

@@ -9,6 +9,7 @@ import gc
 import os
 
 import psutil
+import pytest
 
 from helpers import base_config, server
 from rtts.bench.main import soak_session
@@ -19,6 +20,7 @@ SESSIONS = int(os.environ.get("RTTS_SOAK_SESSIONS", "2500"))
 WARMUP = 1000
 
 
+@pytest.mark.long
 async def test_rss_flat_across_thousands_of_sessions():
     proc = psutil.Process()
     # A small phrase cache: it fills up during the warm-up and then stays at its bound.

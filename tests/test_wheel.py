@@ -23,7 +23,7 @@ import pytest
 
 from procs import _stop, free_port, wait_http
 
-pytestmark = pytest.mark.wheel
+pytestmark = [pytest.mark.wheel, pytest.mark.long]
 
 ROOT = Path(__file__).resolve().parent.parent
 WEB_SHIPPED = {"index.html", "demo.css", "demo.js", "jitter-buffer.js", "pcm-player.js",

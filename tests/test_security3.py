@@ -530,6 +530,24 @@ async def test_the_heap_is_trimmed_once_when_the_server_goes_idle(
     assert await trim(3.0 + service.TRIM_EVERY_S, 0) and len(trims) == 2
 
 
+def test_recent_samples_keep_the_last_ones_in_one_array() -> None:
+    """The server's latency samples (``Stats.ttfa_s``, ``frame_latency_s``): the last
+    ``capacity`` of them, oldest first, in an array made once (a deque of floats made
+    during a busy round kept RSS up after it)."""
+    from rtts.core.service import Recent
+
+    recent = Recent(3)
+    assert len(recent) == 0 and recent.values() == []
+    recent.append(1.0)
+    recent.append(2.0)
+    assert len(recent) == 2 and list(recent) == [1.0, 2.0]
+    for v in (3.0, 4.0, 5.0):
+        recent.append(v)
+    assert len(recent) == 3 and recent.values() == [3.0, 4.0, 5.0]
+    recent.append(6.0)
+    assert list(recent) == [4.0, 5.0, 6.0] and sorted(recent) == [4.0, 5.0, 6.0]
+
+
 async def test_jobs_per_key_are_bounded(tmp_path: Path, redis_url: str):
     """The probe queued 25 jobs with one key in 61 s; nothing but the per-minute session
     quota paced it. Now a key holds a bounded number of unfinished jobs and characters."""

@@ -22,7 +22,8 @@ import gc
 import logging
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -46,8 +47,8 @@ from rtts.engines.base import Engine, SampleEngine, SynthRequest
 from rtts.engines.threads import run_in_own_thread
 from rtts.errors import ErrorCode, ProtocolError, RttsError
 
-__all__ = ["MAX_CLIP_BYTES", "TRIM_EVERY_S", "SegmentRecorder", "Service", "Source", "Stats",
-           "trim_heap"]
+__all__ = ["MAX_CLIP_BYTES", "TRIM_EVERY_S", "Recent", "SegmentRecorder", "Service", "Source",
+           "Stats", "trim_heap"]
 
 logger = logging.getLogger("rtts.core")
 
@@ -66,6 +67,35 @@ class State(StrEnum):
     STOPPED = "stopped"
 
 
+class Recent:
+    """The last ``capacity`` float samples, in one array allocated up front.
+
+    A ``deque`` of Python floats did this before; its floats were made all through a busy
+    minute among that minute's short-lived objects, so each one kept a block of Python's
+    allocator alive after the rest was freed, and RSS after a round of the mixed-abuse
+    load (tests/test_abuse.py) was 87-108 MB from one round to the next."""
+
+    def __init__(self, capacity: int) -> None:
+        self._values = np.zeros(capacity, dtype=np.float64)
+        self._count = 0  # appended, ever
+
+    def append(self, value: float) -> None:
+        self._values[self._count % len(self._values)] = value
+        self._count += 1
+
+    def __len__(self) -> int:
+        return min(self._count, len(self._values))
+
+    def values(self) -> list[float]:
+        """Oldest first."""
+        n, cap = len(self), len(self._values)
+        start = self._count % cap if self._count > cap else 0
+        return [*self._values[start:n].tolist(), *self._values[:start].tolist()]
+
+    def __iter__(self) -> Iterator[float]:
+        return iter(self.values())
+
+
 @dataclass
 class Stats:
     connections_total: int = 0
@@ -80,19 +110,19 @@ class Stats:
     idle_closed: int = 0  # WebSockets closed by the idle timeout
     frames_sent: int = 0
     http_requests: int = 0
-    ttfa_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))  # the last ones
+    ttfa_s: Recent = field(default_factory=lambda: Recent(1024))  # the last ones
     # time to first audio and audio seconds per engine (every context's, whatever protocol
     # it came in by); the totals are their sums
-    ttfa_by_engine: dict[str, deque[float]] = field(default_factory=dict)
+    ttfa_by_engine: dict[str, Recent] = field(default_factory=dict)
     ttfa_count_by_engine: Counter[str] = field(default_factory=Counter)
     audio_seconds_by_engine: dict[str, float] = field(default_factory=dict)
     # engine output -> frame handed to the socket, per live frame (server-added latency)
-    frame_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=20000))
+    frame_latency_s: Recent = field(default_factory=lambda: Recent(20000))
 
     def record_ttfa(self, engine: str, seconds: float) -> None:
         """A live context's first audio exists ``seconds`` after its request was made."""
         self.ttfa_s.append(seconds)
-        self.ttfa_by_engine.setdefault(engine, deque(maxlen=1024)).append(seconds)
+        self.ttfa_by_engine.setdefault(engine, Recent(1024)).append(seconds)
         self.ttfa_count_by_engine[engine] += 1
 
     def record_audio(self, engine: str, seconds: float) -> None:
@@ -293,7 +323,8 @@ class Service:
     async def idle_trim(self, now: float) -> bool:
         """Once the server is idle after being busy (no connection, no context), and at most
         every :data:`TRIM_EVERY_S`: give the heap's free pages back to the system
-        (:func:`trim_heap`, off the event loop). What a burst freed otherwise stays in the
+        (:func:`trim_heap`, in a thread; its garbage collection holds the GIL for some
+        milliseconds, while nothing is connected). What a burst freed otherwise stays in the
         process as scattered free chunks, and RSS kept the burst's high-water mark: after
         each minute of the mixed-abuse load (tests/test_abuse.py) it sat 0.5-7% higher.
         True when it trimmed."""
@@ -504,8 +535,13 @@ TRIM_EVERY_S = 10.0
 
 
 def trim_heap() -> bool:
-    """glibc's ``malloc_trim(0)``: the free pages anywhere in malloc's heaps go back to the
-    system (ctypes lets the GIL go meanwhile). False where there is none (not glibc)."""
+    """A full garbage collection, then glibc's ``malloc_trim(0)``: the free pages anywhere
+    in malloc's heaps go back to the system (ctypes lets the GIL go meanwhile). The
+    collection first: what a burst left in reference cycles (an error's traceback and its
+    frames) is otherwise freed only by the next full collection, which may come long after
+    the burst, and RSS then kept it (the long mixed-abuse run once ended 6.3% above its
+    warmed-up figure). False where there is no ``malloc_trim`` (not glibc)."""
+    gc.collect()
     if not sys.platform.startswith("linux"):
         return False
     try:

@@ -9,8 +9,9 @@ silent Wyoming connections, from 127.0.0.10-13), while a well-behaved native cli
 127.0.0.2, so the per-address caps the abusers fill are not its own) measures its time to
 first audio. Its median under attack stays within 2x of idle (plus 50 ms of scheduling
 noise on a shared CPU); afterwards every ``rtts_active_*`` gauge of ``/metrics`` is back
-to 0, RSS after one more warm-up-length round is within 5% of what it was after the
-warm-up rounds of the same mix (each after the server's idle heap trim), and the log
+to 0, RSS after the round is within 5% of what it was after the warm-up rounds of the
+same mix (after the server's idle heap trim; the lower of the long round's figure and
+one more short round's, against the higher of the two warm-up rounds'), and the log
 holds no traceback. The long run (200 clients, 60 s; marker ``abuse``, run by .ci/run as its
 own step) does it with and without a 1024 open-file limit on the server; the short one (40
 clients, 8 s, under the 1024 limit, one warm-up round, no RSS comparison) has the marker ``long``
@@ -121,16 +122,24 @@ def run_mixed_abuse(tmp_path: Path, clients: int, seconds: float, nofile: int | 
         # (RSS is a high-water mark of the big texts' memory, not a leak: with the
         # connection-level kinds alone it stays flat, with the 20,000-character texts alone
         # it reaches its plateau in the first round; the mix gets there in two)
+        # RSS is read after each round once the server's idle heap trim has run (at most
+        # every TRIM_EVERY_S: a mid-round idle moment may have put it off by up to that).
+        # Even then it swings from one round to the next (84-104 MB on one EPYC; 87-108
+        # before Stats.ttfa_s / frame_latency_s were arrays): what a round leaves alive pins
+        # blocks of Python's allocator until a later round frees them, and a 20 s round
+        # ends anywhere in 82-97 MB there. So the long round's figure is its floor (the
+        # lower of it and one more 20 s round's: a leak in the long round raises both),
+        # compared with the top of the warm-up rounds' (without a trend: 5 to 8 rounds in a
+        # row stayed in one band).
+        trimmed = TRIM_EVERY_S + 1.0 if warm_rounds >= 2 else 1.0
+        warm_rss = []
         for _ in range(warm_rounds):
             warm = _attack(port, wport, clients, min(seconds, 20.0), bomb)
             warm.communicate(timeout=120)
             assert not any(_settle(port).values())
-        # the server trims its heap once idle, at most every TRIM_EVERY_S: RSS is compared
-        # after that trim, here and after the round (a mid-round idle moment may have put
-        # it off by up to that long)
-        trimmed = TRIM_EVERY_S + 1.0 if warm_rounds >= 2 else 1.0
-        time.sleep(trimmed)
-        rss_before = _rss_mb(proc.pid)
+            time.sleep(trimmed)
+            warm_rss.append(_rss_mb(proc.pid))
+        rss_before = max(warm_rss, default=0.0)
         idle = [asyncio.run(_ttfa_s(port, f"i{i}")) for i in range(8)]
 
         attack = _attack(port, wport, clients, seconds, bomb)
@@ -140,24 +149,20 @@ def run_mixed_abuse(tmp_path: Path, clients: int, seconds: float, nofile: int | 
 
         gauges = _settle(port)
         time.sleep(trimmed)
-        rss_round = _rss_mb(proc.pid)
-        # RSS right after a round swings from one round to the next (85-93 MB over five
-        # 60 s rounds of one server, 87-108 before Stats.ttfa_s / frame_latency_s were
-        # arrays): what the round left alive pins blocks of Python's allocator until the next
-        # round frees them. So RSS is compared where rss_before was taken, after a round as
-        # long as the warm-up's: a leak in the long round is still there then.
-        if warm_rounds >= 2:
+        after_rss = [_rss_mb(proc.pid)]
+        if warm_rounds >= 2:  # one more round, as long as a warm-up round
             warm = _attack(port, wport, clients, min(seconds, 20.0), bomb)
             warm.communicate(timeout=120)
             assert not any(_settle(port).values())
             time.sleep(trimmed)
-        rss_after = _rss_mb(proc.pid)
+            after_rss.append(_rss_mb(proc.pid))
+        rss_after = min(after_rss)
         text = log.read_text(errors="replace")
     result = {"idle_ms": statistics.median(idle) * 1000,
               "under_ms": statistics.median(under) * 1000,
               "under_p90_ms": sorted(under)[int(0.9 * (len(under) - 1))] * 1000,
               "samples": len(under), "rss_before_mb": rss_before, "rss_after_mb": rss_after,
-              "rss_after_the_round_mb": rss_round,
+              "rss_warm_rounds_mb": warm_rss, "rss_after_rounds_mb": after_rss,
               "gauges": gauges, "tracebacks": text.count("Traceback"),
               "errors_logged": sum(1 for line in text.splitlines() if " ERROR " in line),
               "attack": report}

@@ -7,11 +7,9 @@ generated dot product (``kernels.fp16_linear``) is fast only where the rows are 
 inputs. Inside the GPT step, at 2+ rows, it stored the widened product as a buffer, or
 vectorized over the rows with scalar weight loads: 0.4-1.3 s a step instead of 20-40 ms.
 This loop reads each fp16 weight once, widens it in registers (F16C) and multiplies it
-into up to four rows at a time, each row count its own unrolled pass (1 row with four
-accumulators, so its multiply-adds are not one dependent chain). Measured on that EPYC (2
-threads, the GPT's 80 linears, best of 6, ms): 1 row 20.6-26.5, 2 rows 22.8-28.9, 4 rows
-26.5-31.6, 8 rows 45-53; MKL fp32 at the same rows 63-73, 128-138, 144-159, 176-194 (the
-stop before, on a quieter day).
+into up to four rows at a time. Measured on that EPYC (2 threads, the GPT's 80 linears,
+best of 6, ms): 1 row 25.6-25.9, 2 rows 27.7-31.0, 4 rows 27.2-28.6, 8 rows 55-72;
+MKL fp32 at the same rows 63-73, 128-138, 144-159, 176-194.
 
 It is written with ATen's portable vector types (``at::vec``, what inductor's own CPU
 kernels use, so the same source builds for AVX2 or AVX-512) and built at first use by
@@ -36,68 +34,41 @@ _SOURCE = r"""
 #include <algorithm>
 using at::vec::Vectorized;
 
-// one weight row j into RN rows of x (RN a constant: the loops unroll, the accumulators stay
-// in registers): y[r * n + j] = x[r] . w[j], fp32 sums
-template <int RN>
-static inline void pass(const float* x, const at::Half* wr, float* y, int64_t n, int64_t k,
-                        int64_t body, int64_t j) {
-    constexpr int64_t V = Vectorized<float>::size();
-    constexpr int A = RN == 1 ? 4 : 2;  // accumulators per row: 1 row needs 4 to hide latency
-    Vectorized<float> acc[RN][A];
-    for (int r = 0; r < RN; ++r) {
-        for (int a = 0; a < A; ++a) acc[r][a] = Vectorized<float>(0);
-    }
-    const int64_t main = k - k % (A * V);
-    for (int64_t i = 0; i < main; i += A * V) {
-        #pragma GCC unroll 4
-        for (int h = 0; h < A / 2; ++h) {
-            auto wv = at::vec::convert<float, 2, at::Half, 1>(
-                Vectorized<at::Half>::loadu(wr + i + 2 * V * h));
-            #pragma GCC unroll 4
-            for (int r = 0; r < RN; ++r) {
-                const float* xr = x + r * k + i + 2 * V * h;
-                acc[r][2 * h] = at::vec::fmadd(wv[0], Vectorized<float>::loadu(xr),
-                                               acc[r][2 * h]);
-                acc[r][2 * h + 1] = at::vec::fmadd(wv[1], Vectorized<float>::loadu(xr + V),
-                                                   acc[r][2 * h + 1]);
-            }
-        }
-    }
-    for (int64_t i = main; i < body; i += 2 * V) {
-        auto wv = at::vec::convert<float, 2, at::Half, 1>(Vectorized<at::Half>::loadu(wr + i));
-        for (int r = 0; r < RN; ++r) {
-            const float* xr = x + r * k + i;
-            acc[r][0] = at::vec::fmadd(wv[0], Vectorized<float>::loadu(xr), acc[r][0]);
-            acc[r][1] = at::vec::fmadd(wv[1], Vectorized<float>::loadu(xr + V), acc[r][1]);
-        }
-    }
-    for (int r = 0; r < RN; ++r) {
-        Vectorized<float> s = acc[r][0];
-        for (int a = 1; a < A; ++a) s = s + acc[r][a];
-        float sum = at::vec::vec_reduce_all<float>(
-            [](Vectorized<float>& a, Vectorized<float>& b) { return a + b; }, s);
-        const float* xr = x + r * k;
-        for (int64_t i = body; i < k; ++i) sum += static_cast<float>(wr[i]) * xr[i];
-        y[r * n + j] = sum;
-    }
-}
-
 // y (rows, n) = x (rows, k) @ w (n, k).T: x fp32, w fp16, sums in fp32
 extern "C" void kernel(const float* x, const at::Half* w, float* y, const int64_t rows,
                        const int64_t n, const int64_t k, const int64_t threads) {
     constexpr int64_t V = Vectorized<float>::size();
-    const int64_t body = k - k % (2 * V);  // the rest: a scalar tail
+    constexpr int64_t R = 4;  // rows per pass over a weight row (8 accumulators: no spills)
+    const int64_t body = k - k % (2 * V);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t j = 0; j < n; ++j) {
         const at::Half* wr = w + j * k;
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // up to 4 rows per pass over w[j]
-            const float* xr = x + r0 * k;
-            float* yr = y + r0 * n;
-            switch (std::min<int64_t>(4, rows - r0)) {
-                case 1: pass<1>(xr, wr, yr, n, k, body, j); break;
-                case 2: pass<2>(xr, wr, yr, n, k, body, j); break;
-                case 3: pass<3>(xr, wr, yr, n, k, body, j); break;
-                default: pass<4>(xr, wr, yr, n, k, body, j); break;
+        for (int64_t r0 = 0; r0 < rows; r0 += R) {
+            const int64_t rn = std::min(R, rows - r0);
+            Vectorized<float> acc[R][2];
+            for (int64_t r = 0; r < R; ++r) {
+                acc[r][0] = Vectorized<float>(0);
+                acc[r][1] = Vectorized<float>(0);
+            }
+            for (int64_t i = 0; i < body; i += 2 * V) {
+                auto wv = at::vec::convert<float, 2, at::Half, 1>(
+                    Vectorized<at::Half>::loadu(wr + i, 2 * V));
+                for (int64_t r = 0; r < rn; ++r) {
+                    const float* xr = x + (r0 + r) * k + i;
+                    acc[r][0] = at::vec::fmadd(wv[0], Vectorized<float>::loadu(xr), acc[r][0]);
+                    acc[r][1] = at::vec::fmadd(wv[1], Vectorized<float>::loadu(xr + V),
+                                               acc[r][1]);
+                }
+            }
+            for (int64_t r = 0; r < rn; ++r) {
+                float sum = at::vec::vec_reduce_all<float>(
+                    [](Vectorized<float>& a, Vectorized<float>& b) { return a + b; },
+                    acc[r][0] + acc[r][1]);
+                const float* xr = x + (r0 + r) * k;
+                for (int64_t i = body; i < k; ++i) {
+                    sum += static_cast<float>(wr[i]) * xr[i];
+                }
+                y[(r0 + r) * n + j] = sum;
             }
         }
     }

@@ -492,7 +492,8 @@ def test_fp16_kernel_matches_fp32_at_any_row_count_and_length():
     its blocks of four and past them, with K not a multiple of its vector width (the
     scalar tail); bad inputs are refused with a clear error."""
     torch.manual_seed(0)
-    for rows, n, k in ((1, 64, 768), (2, 3, 40), (4, 17, 33), (5, 96, 3072), (9, 8, 7)):
+    for rows, n, k in ((1, 64, 768), (1, 5, 56), (2, 3, 40), (3, 6, 50), (4, 17, 33),
+                       (5, 96, 3072), (9, 8, 7)):
         x = torch.randn(rows, k)
         w = torch.randn(n, k).half()
         got = fp16mm.mm(x, w)

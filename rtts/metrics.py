@@ -145,8 +145,8 @@ def _usage(app: Service) -> list[str]:
 
 def render_metrics(app: Service) -> str:
     s, sch, cs = app.stats, app.scheduler, app.cache.stats
-    ttfa = list(s.ttfa_s)
-    lat = list(s.frame_latency_s)
+    ttfa = s.ttfa_s.values()
+    lat = s.frame_latency_s.values()
     audio_gen = sch.audio_samples / app.engine.sample_rate
     lines = [
         "# TYPE rtts_up gauge", f"rtts_up{{state=\"{str(app.state)}\"}} 1",

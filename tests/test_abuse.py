@@ -132,13 +132,16 @@ def run_mixed_abuse(tmp_path: Path, clients: int, seconds: float, nofile: int | 
         # compared with the top of the warm-up rounds' (without a trend: 5 to 8 rounds in a
         # row stayed in one band).
         trimmed = TRIM_EVERY_S + 1.0 if warm_rounds >= 2 else 1.0
-        warm_rss = []
-        for _ in range(warm_rounds):
+
+        def short_round() -> float:
+            """A warm-up-length round of the mix; RSS once settled and trimmed."""
             warm = _attack(port, wport, clients, min(seconds, 20.0), bomb)
             warm.communicate(timeout=120)
             assert not any(_settle(port).values())
             time.sleep(trimmed)
-            warm_rss.append(_rss_mb(proc.pid))
+            return _rss_mb(proc.pid)
+
+        warm_rss = [short_round() for _ in range(warm_rounds)]
         rss_before = max(warm_rss, default=0.0)
         idle = [asyncio.run(_ttfa_s(port, f"i{i}")) for i in range(8)]
 
@@ -151,11 +154,7 @@ def run_mixed_abuse(tmp_path: Path, clients: int, seconds: float, nofile: int | 
         time.sleep(trimmed)
         after_rss = [_rss_mb(proc.pid)]
         if warm_rounds >= 2:  # one more round, as long as a warm-up round
-            warm = _attack(port, wport, clients, min(seconds, 20.0), bomb)
-            warm.communicate(timeout=120)
-            assert not any(_settle(port).values())
-            time.sleep(trimmed)
-            after_rss.append(_rss_mb(proc.pid))
+            after_rss.append(short_round())
         rss_after = min(after_rss)
         text = log.read_text(errors="replace")
     result = {"idle_ms": statistics.median(idle) * 1000,

@@ -311,6 +311,37 @@ async def test_continuous_engine_failing_before_its_first_step_fails_the_batch()
     await sched.stop()
 
 
+def test_pick_survives_the_loop_changing_playing_streams_meanwhile():
+    """The engine's thread picks the rows of a continuous batch while the event loop adds
+    and ends playing streams. A garbage collection during the pick runs Python code (here
+    a gc callback that ends a stream, as the loop's thread would once it takes over
+    there): the pick must not fail with "dictionary changed size during iteration" (the
+    mixed-abuse run did, and the batch's rows failed)."""
+    import gc
+
+    sched = Scheduler(FakeEngine(continuous=True), SchedulerConfig(max_batch_size=8))
+    # (more than the 2,000 two-tuples CPython keeps for reuse, whose reuse starts no GC)
+    sched._playing.update({k: 0.0 for k in range(5000)})  # long ago: the pick drops them
+    ended = []
+
+    def loop_thread_meanwhile(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and sched._playing:
+            ended.append(next(iter(sched._playing)))
+            sched.stream_ended(ended[-1])
+
+    s = RequestStream(SynthRequest("x" * 10, SynthParams(), priority=1, stream=99))
+    sched._queue.append(s)
+    threshold = gc.get_threshold()
+    gc.callbacks.append(loop_thread_meanwhile)
+    gc.set_threshold(1)  # a collection at every tracked allocation
+    try:
+        assert sched._pick(8) == [s]
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(loop_thread_meanwhile)
+    assert ended and not sched._playing  # the loop's changes happened mid-pick
+
+
 async def test_continuous_lookahead_waits_where_one_more_row_lowers_throughput():
     """With no real-time capacity measured (0: nothing keeps up, so no cap), a stream's
     next segment still does not join beside its own running row where the step times the
@@ -375,3 +406,4 @@ async def test_continuous_lookahead_stays_within_the_measured_realtime_capacity(
         assert max(engine.batches) == (5 if want_joined else 3), engine.batches
         assert all(s.admitted_at is not None for s in ahead)
         await sched.stop()
+

@@ -400,7 +400,12 @@ class Scheduler:
         capped = self.capacity_capped
         reserve = 0 if capped else self.reserve
         playing = self._playing
-        for stream, at in list(playing.items()):
+        # (The engine's thread runs this for a continuous batch while the loop changes
+        # ``_playing``: dict.copy() is one step for other threads. list(items()) was not:
+        # each item's tuple may start a garbage collection, whose callbacks run Python
+        # code, where the loop thread can take over; the abuse mix hit "dictionary
+        # changed size during iteration" and failed a batch.)
+        for stream, at in playing.copy().items():
             if now - at > PLAYING_S:
                 playing.pop(stream, None)
 
@@ -591,7 +596,9 @@ class Scheduler:
             waiting = sum(1 for s in self._queue if s.request.priority < BACKGROUND
                           and not s.solo and not s.request.cancelled.is_set())
         for run in list(self._runs):
-            rows = [s for s in run.streams.values() if not s.finished]
+            # (list() first: the engine's thread adds and removes rows while the
+            # comprehension's bytecode runs; list() of a dict's values is one step.)
+            rows = [s for s in list(run.streams.values()) if not s.finished]
             free = self.slot_limit - len(rows) - len(run.pending)
             background = sorted((s for s in rows if s.request.priority >= BACKGROUND),
                                 key=lambda s: -(s.admitted_at or 0.0))

@@ -1,8 +1,8 @@
 """Mixed abuse under load (issue 31): many abusive clients at once, a well-behaved client
 measuring time to first audio throughout, and nothing leaked afterwards.
 
-A real ``rtts serve --engine fake`` process (with a real redis-server for jobs, when one is
-installed) gets ``CLIENTS`` abusive clients for ``SECONDS`` (tests/abuse_clients.py, a
+A real ``rtts serve --engine fake`` process (batching continuously, as ChatTTS does; with a
+real redis-server for jobs, when one is installed) gets ``CLIENTS`` abusive clients for ``SECONDS`` (tests/abuse_clients.py, a
 process of its own: slowloris heads and bodies, idle TCP and WebSocket sockets, 20,000-
 character normalization texts, speaker-string bombs, job bombs, protocol-error floods,
 silent Wyoming connections, from 127.0.0.10-13), while a well-behaved native client (from

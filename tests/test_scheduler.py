@@ -407,3 +407,14 @@ async def test_continuous_lookahead_stays_within_the_measured_realtime_capacity(
         assert all(s.admitted_at is not None for s in ahead)
         await sched.stop()
 
+
+def test_the_served_fake_batches_as_chattts_does():
+    """``rtts serve --engine fake`` batches continuously, as ChatTTS does (in fixed batches,
+    a new stream's first segment waited behind a whole batch of long segments: 925 ms under
+    the abuse mix's long texts); ``--batching static`` still gives fixed batches."""
+    from rtts.config import EngineConfig
+    from rtts.engines import build_engine
+
+    engine = build_engine(EngineConfig(name="fake"))
+    assert Scheduler(engine, SchedulerConfig()).continuous
+    assert not Scheduler(engine, SchedulerConfig(batching="static")).continuous

@@ -18,7 +18,10 @@ def build_engine(config: EngineConfig) -> Engine:
     if config.name == "fake":
         from rtts.engines.fake import FakeEngine
 
-        return FakeEngine(rtf=config.fake_rtf, first_chunk_latency_ms=config.fake_first_chunk_ms)
+        # served as ChatTTS is: requests join a running batch at its next step (unless
+        # the scheduler is told --batching static)
+        return FakeEngine(rtf=config.fake_rtf, first_chunk_latency_ms=config.fake_first_chunk_ms,
+                          continuous=True)
     if config.name == "chattts":
         from rtts.engines.chattts import ChatTTSEngine
 

@@ -7,6 +7,8 @@ and whose length follows the text (``ms_per_char``), in ``chunk_ms`` pieces, aft
 It has samples as ChatTTS has them (``info.samples``): each request's ``produced`` sample
 is codes derived from its text and voice, and :meth:`FakeEngine.encode_sample` derives codes
 from a clip's loudness, one frame per 512 samples; the tone ignores samples.
+Served (``rtts serve --engine fake``) it batches continuously, as ChatTTS does: a request
+joins the running batch at its next step (``--batching static``: fixed batches).
 Text containing ``"[fail]"`` raises, and ``"[hang]"`` blocks until cancelled (tags in ChatTTS's
 bracket style, which text normalization leaves alone), so tests
 can exercise the error and timeout paths.

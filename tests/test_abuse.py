@@ -1,21 +1,22 @@
 """Mixed abuse under load (issue 31): many abusive clients at once, a well-behaved client
 measuring time to first audio throughout, and nothing leaked afterwards.
 
-A real ``rtts serve --engine fake`` process (batching continuously, as ChatTTS does; with a
-real redis-server for jobs, when one is installed) gets ``CLIENTS`` abusive clients for ``SECONDS`` (tests/abuse_clients.py, a
-process of its own: slowloris heads and bodies, idle TCP and WebSocket sockets, 20,000-
-character normalization texts, speaker-string bombs, job bombs, protocol-error floods,
-silent Wyoming connections, from 127.0.0.10-13), while a well-behaved native client (from
-127.0.0.2, so the per-address caps the abusers fill are not its own) measures its time to
-first audio. Its median under attack stays within 2x of idle (plus 50 ms of scheduling
-noise on a shared CPU); afterwards every ``rtts_active_*`` gauge of ``/metrics`` is back
-to 0, RSS after the round is within 5% of what it was after the warm-up rounds of the
-same mix (after the server's idle heap trim; the lower of the long round's figure and
-one more short round's, against the higher of the two warm-up rounds'), and the log
-holds no traceback. The long run (200 clients, 60 s; marker ``abuse``, run by .ci/run as its
-own step) does it with and without a 1024 open-file limit on the server; the short one (40
-clients, 8 s, under the 1024 limit, one warm-up round, no RSS comparison) has the marker ``long``
-(``make test-long``, also a step of .ci/run).
+A real ``rtts serve --engine fake`` process (batching continuously, as ChatTTS does; with
+a real redis-server for jobs, when one is installed) gets ``CLIENTS`` abusive clients for
+``SECONDS`` (tests/abuse_clients.py, a process of its own: slowloris heads and bodies,
+idle TCP and WebSocket sockets, 20,000-character normalization texts, speaker-string
+bombs, job bombs, protocol-error floods, silent Wyoming connections, from 127.0.0.10-13),
+while a well-behaved native client (from 127.0.0.2, so the per-address caps the abusers
+fill are not its own) measures its time to first audio. Its median under attack stays
+within 2x of idle (plus 50 ms of scheduling noise on a shared CPU); afterwards every
+``rtts_active_*`` gauge of ``/metrics`` is back to 0, RSS after the round is within 5% of
+what it was after the warm-up rounds of the same mix (after the server's idle heap trim;
+the lower of the long round's figure and one more short round's, against the higher of the
+two warm-up rounds'), and the log holds no traceback. The long run (200 clients, 60 s;
+marker ``abuse``, run by .ci/run as its own step) does it with and without a 1024
+open-file limit on the server; the short one (40 clients, 8 s, under the 1024 limit, one
+warm-up round, no RSS comparison) has the marker ``long`` (``make test-long``, also a step
+of .ci/run).
 """
 
 from __future__ import annotations

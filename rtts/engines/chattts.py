@@ -59,6 +59,7 @@ from rtts.engines.gpt_loop import (
     ThreadTuner,
     fuse_projections,
     install_heads,
+    layer_plan,
 )
 
 __all__ = ["ChatTTSEngine", "StockChatTTSEngine", "check_torchaudio", "configure_threads_env",
@@ -236,6 +237,14 @@ class ChatTTSEngine:
                 logger.info("GPT keys/values in %s (%s us per layer: %s)", kv,
                             "compiled attention" if cfg.compile else "SDPA",
                             ", ".join(f"{k} {v:.0f}" for k, v in kv_us.items()))
+            fp16_rows = sorted(r for r, p in self.kernel_table.chosen.items()
+                               if p == "fp16" and r != kernels.PREFILL_ROWS)
+            if fp16_rows and not cfg.compile and kv == "fp32":
+                # built now (a few seconds the first time), not at the first request
+                plan = layer_plan(chat.gpt)
+                logger.info("eager decode steps of %s rows: %s", fp16_rows,
+                            "the fp16 layer loop (one C++ call for the GPT's layers)"
+                            if plan is not None else "torch's ops (no fp16 layer loop here)")
         self.chat = chat
         self.model_path = str(path)
         self.random_weights = found.kind == "random"
@@ -573,7 +582,11 @@ class ChatTTSEngine:
         table = self.kernel_table
         kv = sdpa = None
         solo = True
+        native: set[int] = set()
         if table is not None:
+            # eager steps where every linear runs fp16: one C++ call for the layers
+            native = {r for r, p in table.chosen.items()
+                      if p == "fp16" and r != kernels.PREFILL_ROWS}
             kv = getattr(torch, kernels.KV_TORCH[table.kv_dtype])
             sdpa = getattr(torch, kernels.KV_TORCH[kernels.sdpa_dtype(table.kv_dtype,
                                                                       table.kv_us)])
@@ -581,7 +594,7 @@ class ChatTTSEngine:
         return BatchedGpt(chat.gpt, chat.config.gpt.num_vq,
                           eos_token=chat.config.gpt.num_audio_tokens - 1, slots=slots,
                           kv_dtype=kv, decode=self.compiled, sdpa_dtype=sdpa,
-                          solo_attention=solo)
+                          solo_attention=solo, native_rows=native)
 
     def generate(self, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:
         """A fixed batch: every row starts together, nobody joins (static batching)."""

@@ -43,10 +43,11 @@ empty and no other row pays for a retry.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rtts.engines.fp16layers import LayerPlan
 from rtts.engines.kernels import (
     KernelTable,
     decode_attention,
@@ -57,7 +58,7 @@ from rtts.engines.kernels import (
 from rtts.engines.kernels import install_heads as _heads_kernel
 
 __all__ = ["BatchedGpt", "CompiledDecode", "GptRow", "RowSpec", "ThreadTuner",
-           "fuse_projections"]
+           "fuse_projections", "layer_plan"]
 
 MIN_TOKENS_TO_KEEP = 3  # ChatTTS's gen_logits: top-P and top-K keep at least 3 codes
 PENALTY_WINDOW = 16  # ChatTTS's repetition penalty looks at the last 16 codes
@@ -177,6 +178,18 @@ def _fused_heads(gpt: Any, num_vq: int) -> tuple[Any, Any]:
     return fused_heads, fused_embs
 
 
+def layer_plan(gpt: Any) -> LayerPlan | None:
+    """``gpt``'s layers as a :class:`fp16layers.LayerPlan` (the fp16 weights' addresses),
+    gathered once per GPT; None where its layers do not qualify (see ``LayerPlan.of``)."""
+    cached = getattr(gpt, "_rtts_plan", None)
+    if cached is not None:
+        return cached[0]  # type: ignore[no-any-return]
+    cfg = gpt.gpt.config
+    plan = LayerPlan.of(list(gpt.gpt.layers[: cfg.num_hidden_layers]))
+    object.__setattr__(gpt, "_rtts_plan", (plan,))
+    return plan
+
+
 def install_heads(gpt: Any, num_vq: int, table: KernelTable) -> None:
     """Put ``gpt``'s fused code heads (:func:`_fused_heads`) on the kernel path
     :func:`kernels.install_heads` chooses per row count (every batch over ``gpt`` then
@@ -214,7 +227,7 @@ class BatchedGpt:
     def __init__(self, gpt: Any, num_vq: int, eos_token: int, slots: int,
                  penalty: float = 1.05, columns: int = 256, kv_dtype: Any = None,
                  decode: CompiledDecode | None = None, sdpa_dtype: Any = None,
-                 solo_attention: bool = True) -> None:
+                 solo_attention: bool = True, native_rows: Collection[int] = ()) -> None:
         import torch
 
         self.gpt = gpt  # ChatTTS.model.GPT (loaded)
@@ -260,6 +273,17 @@ class BatchedGpt:
         self._heads_fn: Callable[[Any], Any] | None = getattr(gpt, "_rtts_heads_fn", None)
         # the decode step's layer loop through torch.compile (CompiledDecode), lean only
         self.decode = decode if self.lean else None
+        # eager decode steps of ``native_rows`` rows (where every linear layer runs the
+        # fp16 kernel) through one C++ call for all the layers (fp16layers), where its
+        # preconditions hold: the lean loop, fused projections, fp32 keys/values, a CPU
+        self._plan: LayerPlan | None = None
+        if (native_rows and self.decode is None and self.fused
+                and self.kv_dtype == torch.float32 and self.sdpa_dtype == torch.float32
+                and torch.device(self.device).type == "cpu"):
+            self._plan = layer_plan(gpt)
+        self.native_rows = frozenset(native_rows) if self._plan is not None else frozenset()
+        self.native_steps = 0  # decode steps run through it (tests, debugging)
+        self._table: Any = None  # its address table (the buffers' too: reset by _alloc)
         self._row_params: tuple[tuple[GptRow, ...], Any] = ((), None)
         self.rows: list[GptRow] = []  # live rows, in slot order (row k is in slot k)
         self.t = 0  # next column every live row writes
@@ -308,6 +332,7 @@ class BatchedGpt:
             valid[:, :keep] = old_valid[:, :keep]
         self.keys[:] = new_k
         self.values[:] = new_v
+        self._table = None  # the layer loop's addresses of the old buffers
         self.key_scales[:] = new_ks
         self.value_scales[:] = new_vs
         self.valid = valid
@@ -355,6 +380,10 @@ class BatchedGpt:
         h = x.to(self.device, self.dtype)
         if self.lean and self.decode is not None and h.shape[1] == 1:
             return self.decode(self, h, pos, mask, rows, write, read)
+        n = int(h.shape[0])
+        if (self._plan is not None and h.shape[1] == 1 and n in self.native_rows
+                and rows.start == 0 and read == 0):
+            return self._native_decode(h, pos, write)
         cos_sin = self.model.rotary_emb(h, position_ids=pos)
         if self.lean:
             return self.model.norm(self._lean_layers(h, cos_sin, mask, rows, write, read))
@@ -362,6 +391,25 @@ class BatchedGpt:
             h = layer(h, attention_mask=mask, position_ids=pos, cache=self.cache,
                       position_embeddings=cos_sin)
         return self.model.norm(h)
+
+    def _native_decode(self, h: Any, pos: Any, write: int) -> Any:
+        """A decode step's layers through :class:`fp16layers.LayerPlan` (rows ``[0, n)``,
+        their new keys/values at column ``write``, each attending its valid columns up to
+        it), then the final norm."""
+        import torch
+
+        plan = self._plan
+        assert plan is not None
+        n = int(h.shape[0])
+        if self._table is None:
+            self._table = plan.table(self.keys, self.values)
+        cos, sin = self.model.rotary_emb(h, position_ids=pos)
+        threads = torch.get_num_threads()
+        out = plan.run(h.reshape(n, self.hidden), self._table, cos.reshape(n, -1),
+                       sin.reshape(n, -1), self.valid, write, threads,
+                       1 if self.solo_attention else threads)
+        self.native_steps += 1
+        return self.model.norm(out.view(n, 1, self.hidden))
 
     def _lean_decode(self, h: Any, pos: Any, mask: Any, rows: slice, write: int,
                      read: int) -> Any:

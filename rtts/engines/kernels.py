@@ -62,7 +62,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rtts.engines import fp16mm
+from rtts.engines import fp16layers, fp16mm
 
 __all__ = ["DTYPES", "FP16_OPTIONS", "KERNEL_CHOICES", "KV_CHOICES", "TEMPLATE_OPTIONS",
            "KernelTable", "compile_options",
@@ -106,6 +106,15 @@ _PREFILL_ONLY = {"int4": ("int8dyn",)}
 # widened weights and the rows as a buffer and summed it afterwards (3-4 rows: 1.1-1.3 s).
 COMPILED_ONLY = ("fp16",)
 FP16_MAX = 6.0e4  # weights beyond fp16's range (65504) keep fp16 out of the candidates
+# An eager decode step whose linears are all ``fp16`` runs its layers in one C++ call
+# (:mod:`rtts.engines.fp16layers`), without the ~3,000 small torch ops around them. So
+# where that loop builds, ``auto`` takes ``fp16`` at a decode row count unless another
+# path's linears alone are more than this much faster. Measured on an AVX2 AMD EPYC (2
+# threads, full-size GPT, A/B interleaved): 1 row 34-37 ms through the loop against 51-59
+# with torch's ops around the same kernel and 45-52 with torch's bf16 GEMV, whose linears
+# alone timed 0.84-1.2x the fp16 kernel's at load; 4 rows 38-43 against 54-65 ms.
+FP16_LOOP_MARGIN = 1.5
+
 # Inductor's config for a compiled step whose 1-row linears are ``fp16``: realize every
 # pointwise result of more than 4 ops. By default (50 ops on a CPU) the RMS norm before
 # the qkv and gate/up projections was inlined into their dot products, so each 16 weights
@@ -598,8 +607,11 @@ def install(model: Any, dtype: str = "fp32", max_rows: int = 4, device: str = "c
             return (*candidates,
                     *(p for p in compiled_only if all(r in table.ms[p] for r in rows)))
 
+        loop = "fp16" in candidates and fp16layers.available()
         for r in decode_rows:
             table.chosen[r] = min(pool([r]), key=lambda p: table.ms[p][r])
+            if loop and table.ms["fp16"][r] <= FP16_LOOP_MARGIN * table.ms[table.chosen[r]][r]:
+                table.chosen[r] = "fp16"  # and the step's layers in one call (fp16layers)
         table.chosen[PREFILL_ROWS] = min((*candidates, *prefill_only),
                                          key=lambda p: table.ms[p][PREFILL_ROWS])
         if uniform and multi:

@@ -46,32 +46,9 @@ using Half = at::Half;
 namespace {
 constexpr int64_t V = Vectorized<float>::size();
 
-// y (rows, n) = x (rows, k) @ w (n, k).T: x fp32, w fp16, sums in fp32 (as fp16mm; at 1
-// row with four independent sums: on the AVX2 EPYC a 1-row step took 24-26 ms against
-// 29-32 with fp16mm's two, eight measured no better)
+// y (rows, n) = x (rows, k) @ w (n, k).T: x fp32, w fp16, sums in fp32 (as fp16mm)
 void matvec(const float* x, const Half* w, float* y, int64_t rows, int64_t n, int64_t k,
             int64_t threads) {
-    if (rows == 1 && k % (4 * V) == 0) {  // 1 row: four independent sums, not two
-        #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t j = 0; j < n; ++j) {
-            const Half* wr = w + j * k;
-            Vectorized<float> a0(0), a1(0), a2(0), a3(0);
-            for (int64_t i = 0; i < k; i += 4 * V) {
-                auto w0 = at::vec::convert<float, 2, Half, 1>(
-                    Vectorized<Half>::loadu(wr + i, 2 * V));
-                auto w1 = at::vec::convert<float, 2, Half, 1>(
-                    Vectorized<Half>::loadu(wr + i + 2 * V, 2 * V));
-                a0 = at::vec::fmadd(w0[0], Vectorized<float>::loadu(x + i), a0);
-                a1 = at::vec::fmadd(w0[1], Vectorized<float>::loadu(x + i + V), a1);
-                a2 = at::vec::fmadd(w1[0], Vectorized<float>::loadu(x + i + 2 * V), a2);
-                a3 = at::vec::fmadd(w1[1], Vectorized<float>::loadu(x + i + 3 * V), a3);
-            }
-            y[j] = at::vec::vec_reduce_all<float>(
-                [](Vectorized<float>& a, Vectorized<float>& b) { return a + b; },
-                (a0 + a1) + (a2 + a3));
-        }
-        return;
-    }
     constexpr int64_t R = 4;
     const int64_t body = k - k % (2 * V);
     #pragma omp parallel for num_threads(threads) schedule(static)

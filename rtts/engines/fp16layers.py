@@ -4,7 +4,7 @@ and keys/values.
 
 Why: on a 2-core CPU without native bf16 (an AVX2 AMD EPYC, Zen 3), an eager decode step
 at 1 row took 43-56 ms, of which the 80 fp16 linears were about 25. The rest was some
-3,000 small torch ops a step (RMS norms, rotary embedding, slices and copies into the
+3,500 aten calls a step (RMS norms, rotary embedding, slices and copies into the
 key/value buffers, attention, SiLU gating, residual adds), each 5-100 us of dispatch and
 thread wake-ups: an RMS norm of 768 values took 18 us alone and about 105 us inside the
 step. Here one call runs all the layers of a step: per layer the norm, the fused q/k/v

@@ -107,7 +107,7 @@ _PREFILL_ONLY = {"int4": ("int8dyn",)}
 COMPILED_ONLY = ("fp16",)
 FP16_MAX = 6.0e4  # weights beyond fp16's range (65504) keep fp16 out of the candidates
 # An eager decode step whose linears are all ``fp16`` runs its layers in one C++ call
-# (:mod:`rtts.engines.fp16layers`), without the ~3,000 small torch ops around them. So
+# (:mod:`rtts.engines.fp16layers`), without the ~3,500 aten calls around them. So
 # where that loop builds, ``auto`` takes ``fp16`` at a decode row count unless another
 # path's linears alone are more than this much faster. Measured on an AVX2 AMD EPYC (2
 # threads, full-size GPT, A/B interleaved): 1 row 34-37 ms through the loop against 51-59

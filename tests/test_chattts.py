@@ -159,6 +159,11 @@ async def test_streams_through_the_server(tiny_checkpoint: Path):
                                                             "bf16p", "fp16"}
         assert info["kernels"]["threads"] in (1, 2)  # what the ThreadTuner runs on now
         assert info["kernels"]["kv_dtype"] in ("fp32", "bf16")  # the faster one measured
+        # the eager steps whose layers run in one C++ call: the rows that chose fp16
+        assert info["kernels"]["layer_loop_rows"] == (
+            [] if info["kernels"]["kv_dtype"] != "fp32" else
+            sorted(r for r, p in info["kernels"]["chosen"].items()
+                   if p == "fp16" and r != kernels.PREFILL_ROWS))
         # capacity measured from the steps and decodes that just ran
         kern = info["kernels"]
         assert kern["step_ms"] and all(ms > 0 for ms in kern["step_ms"].values())

@@ -156,6 +156,8 @@ class ChatTTSEngine:
         self.prefill_s_per_audio_s = 0.0
         self._prefill_window = [0.0, 0.0]  # prefill seconds, audio seconds, this window
         self.decode_dtype = "fp32"  # the decoder's precision (_choose_decode_dtype)
+        # decode row counts whose eager steps run the fp16 layer loop (fp16layers)
+        self.layer_loop_rows: list[int] = []
         self.decode_ms: dict[str, float] = {}  # decode dtype -> ms of the load-time probe
         # decode dtype -> twins of the DVAE decoder and vocos in it (DECODER_TWINS), made
         # when first needed; only the chosen one is kept after the load-time probe
@@ -169,6 +171,7 @@ class ChatTTSEngine:
                                         "kv_dtype": table.kv_dtype,
                                         "template": table.template,
                                         "decode_dtype": self.decode_dtype,
+                                        "layer_loop_rows": self.layer_loop_rows,
                                         # the linears' ms per row count, timed at load (the
                                         # scheduler's estimate for a count not run yet)
                                         "linear_ms": {r: round(ms, 2) for r, ms
@@ -242,6 +245,7 @@ class ChatTTSEngine:
             if fp16_rows and not cfg.compile and kv == "fp32":
                 # built now (a few seconds the first time), not at the first request
                 plan = layer_plan(chat.gpt)
+                self.layer_loop_rows = fp16_rows if plan is not None else []
                 logger.info("eager decode steps of %s rows: %s", fp16_rows,
                             "the fp16 layer loop (one C++ call for the GPT's layers)"
                             if plan is not None else "torch's ops (no fp16 layer loop here)")

@@ -210,8 +210,7 @@ def test_step_report_leaves_the_linear_share_empty_where_inductor_holds_the_line
                             template=template)
         rep = realtime.step_report(SimpleNamespace(kernel_table=table, device="cpu",
                                                    compiled=object() if template else None,
-                                                   batch=lambda slots: SimpleNamespace(
-                                                       native_rows=frozenset())),
+                                                   layer_loop_rows=[]),
                                    [1, 2], steps=4, bandwidth_mb=1)
         assert [r["step_ms"] for r in rep["rows"].values()] == [10.0, 20.0]
         assert rep["rows"][1]["outside_linear_share"] == (
@@ -221,12 +220,11 @@ def test_step_report_leaves_the_linear_share_empty_where_inductor_holds_the_line
         assert rep["step1_over_limit"] == pytest.approx(2.0)
     # fp16: a compiled 1-row step's linears are generated inside its graph; its 2+ rows,
     # and an eager step, run rtts's own kernel, which an eager pass times, except where
-    # the eager step's layers run in one C++ call (fp16layers: its batches' native_rows)
+    # the eager step's layers run in one C++ call (fp16layers: engine.layer_loop_rows)
     table = KernelTable("auto", {1: "fp16", 2: "fp16"}, bytes={"fp16": 5_000_000})
     for compiled, looped, unknown in ((object(), (), [1]), (None, (), []),
                                       (None, (1, 2), [1, 2])):
         engine = SimpleNamespace(kernel_table=table, device="cpu", compiled=compiled,
-                                 batch=lambda slots, rows=looped: SimpleNamespace(
-                                     native_rows=frozenset(rows)))
+                                 layer_loop_rows=list(looped))
         rep = realtime.step_report(engine, [1, 2], steps=4, bandwidth_mb=1)
         assert [r for r in (1, 2) if rep["rows"][r]["linear_ms"] is None] == unknown

@@ -273,7 +273,7 @@ def step_report(engine: Any, rows: Sequence[int], steps: int, bandwidth_mb: int
     compiled = engine.compiled is not None
     # eager steps whose layers run in one C++ call (fp16layers): their linears have no
     # torch op around them, so a pass through the layers' torch calls times more
-    looped = engine.batch(max(1, max(rows, default=1))).native_rows if table else frozenset()
+    looped = getattr(engine, "layer_loop_rows", ())
 
     def inside(r: int) -> bool:
         return table is not None and (table.template or r in looped or (

@@ -586,11 +586,7 @@ class ChatTTSEngine:
         table = self.kernel_table
         kv = sdpa = None
         solo = True
-        native: set[int] = set()
         if table is not None:
-            # eager steps where every linear runs fp16: one C++ call for the layers
-            native = {r for r, p in table.chosen.items()
-                      if p == "fp16" and r != kernels.PREFILL_ROWS}
             kv = getattr(torch, kernels.KV_TORCH[table.kv_dtype])
             sdpa = getattr(torch, kernels.KV_TORCH[kernels.sdpa_dtype(table.kv_dtype,
                                                                       table.kv_us)])
@@ -598,7 +594,7 @@ class ChatTTSEngine:
         return BatchedGpt(chat.gpt, chat.config.gpt.num_vq,
                           eos_token=chat.config.gpt.num_audio_tokens - 1, slots=slots,
                           kv_dtype=kv, decode=self.compiled, sdpa_dtype=sdpa,
-                          solo_attention=solo, native_rows=native)
+                          solo_attention=solo, native_rows=self.layer_loop_rows)
 
     def generate(self, batch: Sequence[SynthRequest]) -> Iterator[EngineOutput]:
         """A fixed batch: every row starts together, nobody joins (static batching)."""

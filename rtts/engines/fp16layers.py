@@ -25,6 +25,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from rtts.engines import fp16mm
+
 __all__ = ["LayerPlan", "available"]
 
 logger = logging.getLogger("rtts.fp16layers")
@@ -33,57 +35,15 @@ logger = logging.getLogger("rtts.fp16layers")
 # post-attention norm weight, gate/up (fp16), down (fp16), key buffer, value buffer
 _PTRS = 8
 
-_SOURCE = r"""
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <algorithm>
+# the products are fp16mm's (fp16_matvec: its includes come with it)
+_SOURCE = fp16mm.MATVEC + r"""
 #include <cmath>
 #include <limits>
 #include <vector>
-using at::vec::Vectorized;
 using Half = at::Half;
 
 namespace {
 constexpr int64_t V = Vectorized<float>::size();
-
-// y (rows, n) = x (rows, k) @ w (n, k).T: x fp32, w fp16, sums in fp32 (as fp16mm)
-void matvec(const float* x, const Half* w, float* y, int64_t rows, int64_t n, int64_t k,
-            int64_t threads) {
-    constexpr int64_t R = 4;
-    const int64_t body = k - k % (2 * V);
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < n; ++j) {
-        const Half* wr = w + j * k;
-        for (int64_t r0 = 0; r0 < rows; r0 += R) {
-            const int64_t rn = std::min(R, rows - r0);
-            Vectorized<float> acc[R][2];
-            for (int64_t r = 0; r < R; ++r) {
-                acc[r][0] = Vectorized<float>(0);
-                acc[r][1] = Vectorized<float>(0);
-            }
-            for (int64_t i = 0; i < body; i += 2 * V) {
-                auto wv = at::vec::convert<float, 2, Half, 1>(
-                    Vectorized<Half>::loadu(wr + i, 2 * V));
-                for (int64_t r = 0; r < rn; ++r) {
-                    const float* xr = x + (r0 + r) * k + i;
-                    acc[r][0] = at::vec::fmadd(wv[0], Vectorized<float>::loadu(xr), acc[r][0]);
-                    acc[r][1] = at::vec::fmadd(wv[1], Vectorized<float>::loadu(xr + V),
-                                               acc[r][1]);
-                }
-            }
-            for (int64_t r = 0; r < rn; ++r) {
-                float sum = at::vec::vec_reduce_all<float>(
-                    [](Vectorized<float>& a, Vectorized<float>& b) { return a + b; },
-                    acc[r][0] + acc[r][1]);
-                const float* xr = x + (r0 + r) * k;
-                for (int64_t i = body; i < k; ++i) {
-                    sum += static_cast<float>(wr[i]) * xr[i];
-                }
-                y[(r0 + r) * n + j] = sum;
-            }
-        }
-    }
-}
 
 float dot(const float* a, const float* b, int64_t k) {
     const int64_t body = k - k % V;
@@ -141,7 +101,7 @@ extern "C" void kernel(float* h, const int64_t* table, const float* cos, const f
         for (int64_t r = 0; r < rows; ++r) {
             rms_norm(h + r * hidden, w_in, x.data() + r * hidden, hidden, eps);
         }
-        matvec(x.data(), w_qkv, qkv.data(), rows, 3 * hd, hidden, threads);
+        fp16_matvec(x.data(), w_qkv, qkv.data(), rows, 3 * hd, hidden, threads);
         for (int64_t r = 0; r < rows; ++r) {
             float* q = qkv.data() + r * 3 * hd;
             for (int64_t a = 0; a < heads; ++a) {
@@ -196,12 +156,12 @@ extern "C" void kernel(float* h, const int64_t* table, const float* cos, const f
             const float inv = 1.0f / total;
             for (int64_t i = 0; i < d; ++i) out[i] *= inv;
         }
-        matvec(o.data(), w_o, tmp.data(), rows, hidden, hd, threads);
+        fp16_matvec(o.data(), w_o, tmp.data(), rows, hidden, hd, threads);
         for (int64_t i = 0; i < rows * hidden; ++i) h[i] += tmp[i];
         for (int64_t r = 0; r < rows; ++r) {
             rms_norm(h + r * hidden, w_post, x.data() + r * hidden, hidden, eps);
         }
-        matvec(x.data(), w_gu, gu.data(), rows, 2 * inter, hidden, threads);
+        fp16_matvec(x.data(), w_gu, gu.data(), rows, 2 * inter, hidden, threads);
         for (int64_t r = 0; r < rows; ++r) {
             const float* g = gu.data() + r * 2 * inter;
             float* y = act.data() + r * inter;
@@ -216,7 +176,7 @@ extern "C" void kernel(float* h, const int64_t* table, const float* cos, const f
                 y[i] = g[i] / (1.0f + std::exp(-g[i])) * g[inter + i];
             }
         }
-        matvec(act.data(), w_down, tmp.data(), rows, hidden, inter, threads);
+        fp16_matvec(act.data(), w_down, tmp.data(), rows, hidden, inter, threads);
         for (int64_t i = 0; i < rows * hidden; ++i) h[i] += tmp[i];
     }
 }

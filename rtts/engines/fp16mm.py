@@ -24,19 +24,20 @@ import functools
 import logging
 from typing import Any
 
-__all__ = ["available", "mm"]
+__all__ = ["MATVEC", "available", "mm"]
 
 logger = logging.getLogger("rtts.fp16mm")
 
-_SOURCE = r"""
+# The product as a C++ function, also compiled into rtts.engines.fp16layers' layer loop.
+MATVEC = r"""
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <algorithm>
 using at::vec::Vectorized;
 
 // y (rows, n) = x (rows, k) @ w (n, k).T: x fp32, w fp16, sums in fp32
-extern "C" void kernel(const float* x, const at::Half* w, float* y, const int64_t rows,
-                       const int64_t n, const int64_t k, const int64_t threads) {
+static void fp16_matvec(const float* x, const at::Half* w, float* y, const int64_t rows,
+                        const int64_t n, const int64_t k, const int64_t threads) {
     constexpr int64_t V = Vectorized<float>::size();
     constexpr int64_t R = 4;  // rows per pass over a weight row (8 accumulators: no spills)
     const int64_t body = k - k % (2 * V);
@@ -72,6 +73,13 @@ extern "C" void kernel(const float* x, const at::Half* w, float* y, const int64_
             }
         }
     }
+}
+"""
+
+_SOURCE = MATVEC + r"""
+extern "C" void kernel(const float* x, const at::Half* w, float* y, const int64_t rows,
+                       const int64_t n, const int64_t k, const int64_t threads) {
+    fp16_matvec(x, w, y, rows, n, k, threads);
 }
 """
 _ARGS = ["const float*", "const at::Half*", "float*", "int64_t", "int64_t", "int64_t",

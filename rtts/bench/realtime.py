@@ -273,7 +273,7 @@ def step_report(engine: Any, rows: Sequence[int], steps: int, bandwidth_mb: int
     compiled = engine.compiled is not None
     # eager steps whose layers run in one C++ call (fp16layers): their linears have no
     # torch op around them, so a pass through the layers' torch calls times more
-    looped = getattr(engine, "layer_loop_rows", ())
+    looped = engine.layer_loop_rows if table is not None else ()
 
     def inside(r: int) -> bool:
         return table is not None and (table.template or r in looped or (
